@@ -1,0 +1,26 @@
+"""jaxspec: lossless speculative decoding in JAX."""
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import (
+    CheckpointError,
+    DeviceError,
+    DraftError,
+    JaxspecError,
+    OptionError,
+    PromptError,
+    WorkerError,
+)
+from jaxspec.model import Model, new_model
+
+__all__ = [
+    "CheckpointError",
+    "DeviceError",
+    "DraftError",
+    "JaxspecError",
+    "Model",
+    "ModelConfig",
+    "OptionError",
+    "PromptError",
+    "WorkerError",
+    "new_model",
+]

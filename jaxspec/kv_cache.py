@@ -1,0 +1,123 @@
+"""Functional KV caches and the attention-mask spec every forward takes.
+
+Layout (the same for the target's dense cache, a draft's tree cache and a sparse-budget cache):
+slots ``[0, length[b])`` hold the committed prefix of row b; slots ``[length[b], length[b] + N)``
+are the *block*: the tokens being decoded, verified or speculated this step (a chain, a tree, or
+a prefill chunk). A query sees every prefix slot and the block slots its ``block_mask`` row allows.
+
+A forward writes the new tokens' K/V at ``slots`` (one scatter per layer, out-of-range slots are
+dropped) and never copies the cache; committing a verified path (``commit``) moves at most the
+path's K/V and advances ``length``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxspec.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys and values ``[B, S, KH, hd]`` (keys stored after RoPE) and lengths ``[B]``."""
+
+    k: list[Float[Array, "b s kh hd"]]
+    v: list[Float[Array, "b s kh hd"]]
+    length: Int[Array, " b"]
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Block:
+    """What one forward computes: T query tokens per row and where their K/V go.
+
+    positions:  RoPE position of each token.
+    slots:      cache slot that receives each token's K/V (>= capacity: not written).
+    block_mask: ``block_mask[b, t, j]``: query t may see slot ``length[b] + j``.
+    """
+
+    positions: Int[Array, "b t"]
+    slots: Int[Array, "b t"]
+    block_mask: Bool[Array, "b t n"]
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def causal_block(
+    length: Int[Array, " b"], start: Int[Array, " b"], valid: Int[Array, " b"], t: int
+) -> Block:
+    """A block of ``t`` consecutive tokens per row appended after the prefix (prefill chunk,
+    decode step, chain verify). Token i of row b sits at slot ``length[b] + i`` with position
+    ``start[b] + i``; tokens ``i >= valid[b]`` are padding: they see nothing and are not written."""
+    i = jnp.arange(t, dtype=jnp.int32)
+    real = i[None, :] < valid[:, None]
+    causal = i[None, :, None] >= i[None, None, :]
+    mask = causal & real[:, None, :] & real[:, :, None]
+    slots = jnp.where(real, length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
+    return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask)
+
+
+def write(
+    cache_k: Float[Array, "b s kh hd"], new: Float[Array, "b t kh hd"], slots: Int[Array, "b t"]
+) -> Float[Array, "b s kh hd"]:
+    """Scatter this block's K or V into its slots; slots past the capacity are dropped."""
+    rows = jnp.arange(cache_k.shape[0])[:, None]
+    return cache_k.at[rows, slots].set(new.astype(cache_k.dtype), mode="drop")
+
+
+def visible(
+    length: Int[Array, " b"], block_mask: Bool[Array, "b t n"], s: int
+) -> Bool[Array, "b t s"]:
+    """The full ``[B, T, S]`` visibility of cache slots implied by (length, block_mask)."""
+    n = block_mask.shape[-1]
+    slot = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    rel = slot - length[:, None, None]
+    in_block = (rel >= 0) & (rel < n)
+    from_block = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, n - 1), block_mask.shape[:2] + (s,)), axis=2
+    )
+    return (rel < 0) | (in_block & from_block)
+
+
+def commit(cache: KVCache, src: Int[Array, "b k"], count: Int[Array, " b"]) -> KVCache:
+    """Append ``count[b]`` block tokens to the prefix of row b.
+
+    ``src[b, i]`` is the slot (inside the block) holding the i-th token to commit; it moves to
+    slot ``length[b] + i``. For a chain ``src`` is already ``length + i`` and the move is a no-op
+    in effect; for a tree it gathers the accepted path. Only ``k = src.shape[1]`` slots per row
+    and layer are read and written: no cache copy, no recompute.
+    """
+    k = src.shape[1]
+    i = jnp.arange(k, dtype=jnp.int32)
+    keep = i[None, :] < count[:, None]
+    dst = jnp.where(keep, cache.length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
+    rows = jnp.arange(cache.batch)[:, None]
+
+    def move(x):
+        return x.at[rows, dst].set(x[rows, jnp.clip(src, 0, x.shape[1] - 1)], mode="drop")
+
+    return KVCache(
+        k=[move(x) for x in cache.k],
+        v=[move(x) for x in cache.v],
+        length=cache.length + count.astype(jnp.int32),
+    )

@@ -1,0 +1,206 @@
+"""The Flax NNX decoder-only transformer (Llama / Mistral / Qwen2 / SmolLM2 families).
+
+One forward serves every engine: ``(tokens, cache, block) -> (logits, cache)``, where ``block``
+(see kv_cache.Block) says each token's RoPE position, the cache slot its K/V go to, and which
+block slots it may attend to. Prefill, decode, chain verify, tree verify and draft-tree
+expansion are all this one call with different blocks.
+
+At run time the module is split once into ``(graphdef, params)``; ``apply`` is a pure function of
+both that engines call inside their own jit (NNX traversal happens only while tracing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxspec.attention import attend
+from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
+    return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs, (din, dout), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        # As HF: normalise in float32, cast back, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: Int[Array, "b t"]):
+    """cos, sin ``[B, T, hd/2]`` in float32 (the same float32 arithmetic HF uses)."""
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:
+    """Rotate-half RoPE (HF layout: the two halves of each head are the pair)."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block):
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache = write(k_cache, k, block.slots)
+        v_cache = write(v_cache, v, block.slots)
+        out = attend(q, k_cache, v_cache, length, block.block_mask)
+        return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, length, block):
+        h, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, k_cache, v_cache, length, block
+        )
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(
+        self,
+        tokens: Int[Array, "b t"],
+        cache: KVCache,
+        block: Block,
+        select: Int[Array, "b l"] | None = None,
+    ) -> tuple[Float[Array, "b l v"], KVCache]:
+        """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
+        with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
+        x = self.embed_tokens[...][tokens]
+        cos, sin = rope_tables(self.cfg, block.positions)
+        ks, vs = [], []
+        for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
+            x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block)
+            ks.append(kc)
+            vs.append(vc)
+        if select is not None:
+            x = jnp.take_along_axis(x, select[..., None], axis=1)
+        x = self.norm(x)
+        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        logits = (x @ head).astype(jnp.float32)
+        return logits, KVCache(k=ks, v=vs, length=cache.length)
+
+
+def apply(graphdef, params, tokens, cache, block, select=None):
+    """Pure forward: merge (trace-time only) and run. Call inside a jit."""
+    return nnx.merge(graphdef, params)(tokens, cache, block, select)
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+    """A loaded model: static config, NNX graphdef, parameter state and optional tokenizer."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: object | None = None
+    name: str = ""
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+    def logits(self, tokens) -> Float[Array, "b t v"]:
+        """Full causal forward without a persistent cache: ``[B, T]`` ids -> ``[B, T, V]``."""
+        from jaxspec.prompts import check_token_ids
+
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        check_token_ids(tokens, self.config)
+        return _full_logits(self.graphdef, self.params, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, params, tokens):
+    cfg = nnx.merge(graphdef, params).cfg
+    b, t = tokens.shape
+    dtype = jax.tree.leaves(params)[0].dtype
+    cache = init_cache(cfg, b, t, dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    block = causal_block(zeros, zeros, jnp.full((b,), t, jnp.int32), t)
+    logits, _ = apply(graphdef, params, tokens, cache, block)
+    return logits
+
+
+def new_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32, tokenizer=None) -> Model:
+    """A model with random weights (tests, benchmarks of model shapes)."""
+    module = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(module)
+    return Model(cfg, graphdef, params, tokenizer, name=f"random-{cfg.family}")
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, abstract params) without allocating weights: the template for loading."""
+    module = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(module)

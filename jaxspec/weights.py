@@ -1,0 +1,100 @@
+"""HF tensor names -> jaxspec parameter tree. Shared by the safetensors and GGUF converters."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import CheckpointError
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# HF Linear weights are [out, in]; our kernels are [in, out].
+_LINEARS = {
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+}
+_NORMS = {"input_layernorm", "post_attention_layernorm"}
+
+
+def param_path(name: str) -> tuple[tuple, bool] | None:
+    """Our path for an HF tensor name, and whether it must be transposed; None: not used."""
+    if name == "model.embed_tokens.weight":
+        return ("embed_tokens",), False
+    if name == "model.norm.weight":
+        return ("norm", "weight"), False
+    if name == "lm_head.weight":
+        return ("lm_head", "kernel"), True
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+    if module in _LINEARS:
+        leaf = "kernel" if kind == "weight" else "bias"
+        return ("layers", layer, *module.split("."), leaf), kind == "weight"
+    if module in _NORMS and kind == "weight":
+        return ("layers", layer, module, "weight"), False
+    return None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = {("embed_tokens",): (cfg.vocab_size, d), ("norm", "weight"): (d,)}
+    if not cfg.tie_word_embeddings:
+        out[("lm_head", "kernel")] = (d, cfg.vocab_size)
+    for i in range(cfg.num_layers):
+        p = ("layers", i)
+        out[(*p, "input_layernorm", "weight")] = (d,)
+        out[(*p, "post_attention_layernorm", "weight")] = (d,)
+        for name, shape in (("q_proj", (d, q)), ("k_proj", (d, kv)), ("v_proj", (d, kv))):
+            out[(*p, "self_attn", name, "kernel")] = shape
+            if cfg.qkv_bias:
+                out[(*p, "self_attn", name, "bias")] = (shape[1],)
+        out[(*p, "self_attn", "o_proj", "kernel")] = (q, d)
+        out[(*p, "mlp", "gate_proj", "kernel")] = (d, f)
+        out[(*p, "mlp", "up_proj", "kernel")] = (d, f)
+        out[(*p, "mlp", "down_proj", "kernel")] = (f, d)
+    return out
+
+
+def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict:
+    """Build the nested parameter dict from (HF name, array) pairs, checking every shape."""
+    want = expected_shapes(cfg)
+    flat: dict[tuple, np.ndarray] = {}
+    for name, arr in tensors:
+        found = param_path(name)
+        if found is None:
+            continue
+        path, transpose = found
+        if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
+            continue
+        arr = np.asarray(arr)
+        arr = arr.T if transpose else arr
+        if path not in want or tuple(arr.shape) != want[path]:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(arr.shape)}, expected "
+                f"{want.get(path, 'no such tensor')} for this config; the checkpoint is corrupt "
+                "or its config.json does not match its weights."
+            )
+        flat[path] = arr.astype(dtype)
+    missing = [".".join(map(str, p)) for p in want if p not in flat]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} tensors (first: {missing[0]}); it is "
+            "incomplete or corrupt. Re-download or re-export it."
+        )
+    tree: dict = {}
+    for path, arr in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = arr
+    return tree
