@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 find_python() {
   local c
-  for c in python3.13 python3.12 \
-           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 \
-           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+  for c in python3.12 python3.13 \
+           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 \
+           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13; do
     if "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
       echo "$c"; return 0
     fi

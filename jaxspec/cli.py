@@ -1,0 +1,164 @@
+"""The ``jaxspec`` command line: convert, generate, bench, profile.
+
+Every user error is a JaxspecError: printed as ``error: ...`` on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxspec.errors import JaxspecError
+
+DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="converted checkpoint folder (default: the embedded SmolLM2-135M-Instruct, "
+        "converted once into checkpoints/)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="compute dtype; auto = float32 on CPU, bfloat16 on GPU (default: auto)",
+    )
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--method",
+        default="autoregressive",
+        choices=("autoregressive", "chain", "tree", "swiftspec", "magicdec"),
+    )
+    p.add_argument(
+        "--draft", default=None, help=f"draft checkpoint folder, or one of {', '.join(DRAFT_KINDS)}"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gamma", type=int, default=None, help="chain: draft tokens per verification")
+    p.add_argument("--depth", type=int, default=None, help="tree: draft expansions per tree")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxspec",
+        description="Lossless speculative decoding in JAX (SwiftSpec- and MagicDec-style engines).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser(
+        "convert",
+        help="convert an HF folder or a .gguf file to an Orbax checkpoint",
+        description="Convert an HF checkpoint folder (config.json + safetensors) or "
+        "a .gguf file into a jaxspec (Orbax) checkpoint folder.",
+    )
+    c.add_argument("src", help="HF folder or .gguf file")
+    c.add_argument("dst", help="output folder (must not exist, or use --overwrite)")
+    c.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+
+    g = sub.add_parser(
+        "generate",
+        help="generate an answer to a prompt",
+        description="Generate text for one prompt. With no --model, uses the "
+        "embedded SmolLM2-135M-Instruct and its chat template.",
+    )
+    g.add_argument("prompt", help="the prompt text")
+    _add_model_args(g)
+    _add_generation_args(g)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    return parser
+
+
+def _dtype(name: str):
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.dtype(name)
+
+
+def _load_target(args):
+    from jaxspec.convert import load
+    from jaxspec.default_model import default_checkpoint
+
+    path = args.model or default_checkpoint()
+    return load(path, dtype=_dtype(args.dtype))
+
+
+def _load_draft(args):
+    if args.draft is None or args.draft in DRAFT_KINDS:
+        return args.draft
+    from jaxspec.convert import load
+
+    return load(args.draft, dtype=_dtype(args.dtype))
+
+
+def _method_options(args) -> dict:
+    opts = {}
+    if args.gamma is not None:
+        opts["gamma"] = args.gamma
+    if args.depth is not None:
+        opts["depth"] = args.depth
+    return opts
+
+
+def cmd_convert(args) -> int:
+    from jaxspec.convert import convert
+
+    out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"converted {args.src} -> {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from jaxspec.generate import generate
+
+    target = _load_target(args)
+    draft = _load_draft(args)
+    result = generate(
+        target,
+        args.prompt,
+        draft=draft,
+        method=args.method,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        chat=not args.raw,
+        **_method_options(args),
+    )
+    print(result.text[0] if result.text else result.tokens[0])
+    s = result.stats
+    print(
+        f"\n[{s['method']}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s = "
+        f"{s['tokens_per_s']:.1f} tokens/s (acceptance length {s['acceptance_length']:.2f}; "
+        f"compile {s['compile_s']:.1f} s, not counted)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except JaxspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Draft kinds behind one pure interface, used by the chain engine (and by trees via ``logits``).
+
+    state = draft.init(params, prefill)            # after the target's prefill
+    tokens, q, state = draft.propose(params, state, key, gamma, sampling)
+    state = draft.commit(state, tokens, n_accepted, next_token)
+
+``q[b, i]`` is the processed distribution the i-th token was drawn from (one-hot when greedy or
+deterministic), which the lossless acceptance rule needs. Kinds:
+
+* ``ModelDraft(sparse=None)``: a separate small model with its own dense cache.
+* ``ModelDraft(sparse=Streaming(sinks, window))``: a model with a StreamingLLM cache. With the
+  target's own weights this is ``"self-streaming"`` self-speculation. Keys are stored already
+  rotated at their *true* sequence positions and queries use true positions, so attention sees
+  the exact relative distances of the kept tokens; slots ``[0, sinks)`` hold the first tokens and
+  ``[sinks, budget)`` are a ring over the most recent ``window`` tokens.
+* ``NgramDraft(n)``: prompt lookup: the tokens that followed the latest earlier occurrence of the
+  last n-gram in the sequence (no model, deterministic).
+
+Each model draft keeps up to two *pending* tokens (emitted but not yet in its cache): the
+target's next token, plus the last draft token when the whole block was accepted. The first
+forward of ``propose`` feeds them as one ragged block, so no extra draft step is spent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from jaxspec.config import ModelConfig
+from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache
+from jaxspec.model import apply
+from jaxspec.sampling import Sampling, probs, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefill:
+    """What the engine hands a draft after the target's prefill."""
+
+    ids: Int[Array, "b l"]  # padded prompts
+    lens: Int[Array, " b"]
+    target_cache: KVCache  # the target's cache holding the prompt
+    capacity: int = dataclasses.field(metadata=dict(static=True))  # prompt width + new + room
+    room: int = dataclasses.field(metadata=dict(static=True))  # widest block an engine uses
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """StreamingLLM budget: ``sinks`` first tokens plus the ``window`` most recent."""
+
+    sinks: int = 4
+    window: int = 252
+
+    @property
+    def budget(self) -> int:
+        return self.sinks + self.window
+
+    def ring_slot(self, j):
+        """Slot of the token at sequence index j (j < budget: itself; later: the ring)."""
+        return jnp.where(j < self.budget, j, self.sinks + (j - self.sinks) % self.window)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelDraftState:
+    cache: KVCache  # committed tokens only
+    pending: Int[Array, "b 2"]
+    npend: Int[Array, " b"]  # 1 or 2
+    seen: Int[Array, " b"]  # tokens committed to the cache so far = position of pending[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDraft:
+    graphdef: object
+    cfg: ModelConfig
+    sparse: Streaming | None = None
+    reuse_target_cache: bool = False  # self-speculation: the prompt KV is the target's
+
+    def init(self, params, pre: Prefill, first_token: Int[Array, " b"]) -> ModelDraftState:
+        b, width = pre.ids.shape
+        if self.reuse_target_cache:
+            dense = pre.target_cache
+        else:
+            from jaxspec.engines.common import prefill
+
+            dtype = jax.tree.leaves(params)[0].dtype
+            cache = init_cache(self.cfg, b, width, dtype)
+            _, dense = prefill(
+                self.graphdef, params, cache, pre.ids, pre.lens, vocab=self.cfg.vocab_size
+            )
+        cache = (
+            _gather_streaming(dense, pre.lens, self.sparse, room=pre.room)
+            if self.sparse is not None
+            else _resize(dense, pre.capacity)
+        )
+        pending = jnp.stack([first_token, jnp.zeros_like(first_token)], axis=1)
+        return ModelDraftState(cache, pending, jnp.ones((b,), jnp.int32), pre.lens)
+
+    def propose(self, params, s: ModelDraftState, key, gamma: int, sampling: Sampling):
+        """gamma draft tokens in gamma forwards: the pending tokens (a ragged block of 1-2),
+        then one forward per draft token, each seeing the prefix and every earlier block slot."""
+        width = gamma + 1  # block: up to 2 pending + gamma - 1 fed draft tokens
+        block = causal_block(s.cache.length, s.seen, s.npend, 2)
+        logits, cache = apply(
+            self.graphdef, params, s.pending, s.cache, block, select=(s.npend - 1)[:, None]
+        )
+        toks, qs = [], []
+        for i in range(gamma):
+            key, sub = jax.random.split(key)
+            toks.append(sample(sub, logits[:, 0], sampling))
+            qs.append(probs(logits[:, 0], sampling))
+            if i == gamma - 1:
+                break
+            off = s.npend + i  # block slot of draft token i
+            blk = Block(
+                positions=(s.seen + off)[:, None],
+                slots=(s.cache.length + off)[:, None],
+                block_mask=jnp.arange(width)[None, None, :] <= off[:, None, None],
+            )
+            logits, cache = apply(self.graphdef, params, toks[-1][:, None], cache, blk)
+        return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
+
+    def commit(self, s: ModelDraftState, tokens, n_acc, next_token) -> ModelDraftState:
+        gamma = tokens.shape[1]
+        has_kv = jnp.minimum(n_acc, gamma - 1)  # draft tokens whose KV the draft computed
+        count = s.npend + has_kv
+        if self.sparse is None:
+            cache = dataclasses.replace(s.cache, length=s.cache.length + count)
+        else:
+            cache = _commit_streaming(s.cache, s.seen, count, self.sparse, gamma + 1)
+        full = n_acc == gamma
+        last_draft = jnp.take_along_axis(tokens, (gamma - 1) * jnp.ones_like(n_acc)[:, None], 1)[
+            :, 0
+        ]
+        pending = jnp.where(
+            full[:, None],
+            jnp.stack([last_draft, next_token], 1),
+            jnp.stack([next_token, jnp.zeros_like(next_token)], 1),
+        )
+        return ModelDraftState(cache, pending, 1 + full.astype(jnp.int32), s.seen + count)
+
+
+def _resize(cache: KVCache, capacity: int) -> KVCache:
+    pad = capacity - cache.capacity
+    if pad <= 0:
+        return cache
+    grow = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))  # noqa: E731
+    return KVCache([grow(x) for x in cache.k], [grow(x) for x in cache.v], cache.length)
+
+
+def _gather_streaming(dense: KVCache, lens, sp: Streaming, room: int) -> KVCache:
+    """Keep the sinks and the most recent ``window`` prompt tokens, each at its ring slot."""
+    d = jnp.arange(sp.budget)[None, :]
+    last = lens[:, None] - 1
+    # the latest sequence index j < len whose ring slot is d
+    j = jnp.where(d < sp.sinks, d, d + sp.window * jnp.maximum((last - d) // sp.window, 0))
+    ok = j < lens[:, None]
+    src = jnp.where(ok, j, 0)
+    rows = jnp.arange(lens.shape[0])[:, None]
+
+    def take(x):
+        kept = jnp.where(ok[..., None, None], x[rows, src], 0)
+        return jnp.pad(kept, ((0, 0), (0, room), (0, 0), (0, 0)))
+
+    return KVCache(
+        [take(x) for x in dense.k],
+        [take(x) for x in dense.v],
+        jnp.minimum(lens, sp.budget).astype(jnp.int32),
+    )
+
+
+def _commit_streaming(cache: KVCache, seen, count, sp: Streaming, width: int) -> KVCache:
+    """Move ``count`` block tokens (slots ``length + i``) to their ring slots."""
+    i = jnp.arange(width)[None, :]
+    keep = i < count[:, None]
+    src = cache.length[:, None] + i
+    dst = jnp.where(keep, sp.ring_slot(seen[:, None] + i), jnp.iinfo(jnp.int32).max)
+    rows = jnp.arange(seen.shape[0])[:, None]
+
+    def move(x):
+        return x.at[rows, dst].set(x[rows, jnp.clip(src, 0, x.shape[1] - 1)], mode="drop")
+
+    return KVCache(
+        [move(x) for x in cache.k],
+        [move(x) for x in cache.v],
+        jnp.minimum(seen + count, sp.budget).astype(jnp.int32),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramState:
+    hist: Int[Array, "b h"]
+    hlen: Int[Array, " b"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDraft:
+    """Prompt lookup: match the last ``n`` tokens (falling back to shorter n-grams)."""
+
+    n: int = 3
+    vocab: int = 0
+
+    def init(self, params, pre: Prefill, first_token) -> NgramState:
+        b, width = pre.ids.shape
+        hist = jnp.zeros((b, pre.capacity), jnp.int32).at[:, :width].set(pre.ids)
+        hist = hist.at[jnp.arange(b), pre.lens].set(first_token)
+        return NgramState(hist, pre.lens + 1)
+
+    def propose(self, params, s: NgramState, key, gamma: int, sampling: Sampling):
+        b, h = s.hist.shape
+        j = jnp.arange(h)[None, :]
+        best = jnp.full((b,), -1, jnp.int32)
+        for n in range(self.n, 0, -1):
+            # j is a match end if hist[j-n+1..j] == the last n tokens, with j < hlen - 1
+            match = (j >= n - 1) & (j < s.hlen[:, None] - 1)
+            for m in range(n):
+                tail = jnp.take_along_axis(s.hist, jnp.maximum(s.hlen - 1 - m, 0)[:, None], 1)
+                match &= jnp.roll(s.hist, m, axis=1) == tail
+            latest = jnp.max(jnp.where(match, j, -1), axis=1)
+            best = jnp.where(best >= 0, best, latest)
+        start = jnp.where(best >= 0, best + 1, s.hlen - 1)
+        idx = jnp.minimum(start[:, None] + jnp.arange(gamma)[None, :], s.hlen[:, None] - 1)
+        toks = jnp.take_along_axis(s.hist, idx, 1)
+        q = jax.nn.one_hot(toks, self.vocab, dtype=jnp.float32)
+        return toks, q, s
+
+    def commit(self, s: NgramState, tokens, n_acc, next_token) -> NgramState:
+        b, gamma = tokens.shape
+        i = jnp.arange(gamma + 1)[None, :]
+        new = jnp.concatenate([tokens, next_token[:, None]], 1)
+        new = jnp.where(i == n_acc[:, None], next_token[:, None], new)
+        dst = jnp.where(i <= n_acc[:, None], s.hlen[:, None] + i, jnp.iinfo(jnp.int32).max)
+        hist = s.hist.at[jnp.arange(b)[:, None], dst].set(new, mode="drop")
+        return NgramState(hist, s.hlen + n_acc + 1)
+
+
+DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
+
+
+def resolve(target, draft, method: str, *, budget: int = 256, sinks: int = 4, ngram: int = 3):
+    """The user's ``draft=`` argument -> (draft object, its params), with clear errors."""
+    from jaxspec.errors import DraftError, OptionError
+    from jaxspec.model import Model
+
+    if draft is None:
+        raise DraftError(
+            f"method={method!r} needs a draft: pass a jaxspec.Model with the target's vocabulary, "
+            f"or one of {', '.join(repr(k) for k in DRAFT_KINDS)}."
+        )
+    if isinstance(draft, Model):
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise DraftError(
+                f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
+                f"{target.config.vocab_size}; a draft must share the target's tokenizer."
+            )
+        if _tokenizers_differ(target.tokenizer, draft.tokenizer):
+            raise DraftError(
+                "the draft's tokenizer differs from the target's; a draft must "
+                "share the target's tokenizer."
+            )
+        return ModelDraft(draft.graphdef, draft.config), draft.params
+    if draft == "self-streaming":
+        if not (0 <= sinks < budget) or budget - sinks < 16:
+            raise OptionError(
+                f"self-streaming needs 0 <= sinks < budget with a window "
+                f"(budget - sinks) of at least 16; got budget={budget}, sinks={sinks}."
+            )
+        sp = Streaming(sinks=sinks, window=budget - sinks)
+        return ModelDraft(
+            target.graphdef, target.config, sp, reuse_target_cache=True
+        ), target.params
+    if draft == "ngram":
+        if not isinstance(ngram, int) or ngram < 1:
+            raise OptionError(f"ngram must be a positive integer, got {ngram!r}.")
+        return NgramDraft(n=ngram, vocab=target.config.vocab_size), None
+    if draft == "self-snapkv":
+        raise DraftError(
+            "'self-snapkv' drafts serve method='magicdec'; for chain and tree use "
+            "'self-streaming', 'ngram' or a draft model."
+        )
+    raise DraftError(
+        f"unknown draft {draft!r}: pass a jaxspec.Model or one of "
+        f"{', '.join(repr(k) for k in DRAFT_KINDS)}."
+    )
+
+
+def _tokenizers_differ(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    probe = "def f(x):\n    return x * 2  # héllo 123"
+    return len(a) != len(b) or a.encode(probe) != b.encode(probe)

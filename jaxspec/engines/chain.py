@@ -1,0 +1,211 @@
+"""Chain speculation: the draft proposes gamma tokens, the target verifies them in one forward
+over gamma + 1 tokens, and the lossless rule (acceptance.accept_chain) keeps a prefix plus one
+token from the target. The whole loop runs on device."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from jaxspec import drafts
+from jaxspec.acceptance import accept_chain
+from jaxspec.config import ModelConfig
+from jaxspec.engines.common import Timer, compiled, is_eos, prefill
+from jaxspec.engines.options import positive_int, reject_unknown
+from jaxspec.kv_cache import KVCache, causal_block, init_cache
+from jaxspec.model import apply
+from jaxspec.sampling import Sampling, probs, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    cache: KVCache
+    token: Int[Array, " b"]  # last emitted token, not yet in the target cache
+    out: Int[Array, "b m"]
+    count: Int[Array, " b"]
+    done: Bool[Array, " b"]
+    steps: Int[Array, ""]
+    emitted: Int[Array, " b"]  # tokens produced per verification, summed while the row is live
+    live_steps: Int[Array, " b"]
+    draft: object
+    key: jax.Array
+
+
+def init_state(
+    tparams,
+    dparams,
+    ids,
+    lens,
+    key,
+    *,
+    graphdef,
+    cfg: ModelConfig,
+    draft,
+    max_new: int,
+    capacity: int,
+    room: int,
+    sampling: Sampling,
+    eos,
+) -> State:
+    b = ids.shape[0]
+    dtype = jax.tree.leaves(tparams)[0].dtype
+    cache = init_cache(cfg, b, capacity, dtype)
+    logits, cache = prefill(graphdef, tparams, cache, ids, lens, vocab=cfg.vocab_size)
+    key, sub = jax.random.split(key)
+    tok = sample(sub, logits, sampling)
+    dstate = draft.init(dparams, drafts.Prefill(ids, lens, cache, capacity, room), tok)
+    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
+    one = jnp.ones((b,), jnp.int32)
+    zero = jnp.zeros((b,), jnp.int32)
+    return State(
+        cache,
+        tok,
+        out,
+        one,
+        is_eos(tok, eos) | (max_new <= 1),
+        jnp.zeros((), jnp.int32),
+        zero,
+        zero,
+        dstate,
+        key,
+    )
+
+
+def emit(s_out, count, done, new_tokens, n_new, eos):
+    """Append ``n_new[b]`` tokens of ``new_tokens`` to live rows, stopping after an EOS or at
+    the output's end. Returns (out, count, done, appended)."""
+    b, width = new_tokens.shape
+    m = s_out.shape[1]
+    i = jnp.arange(width)[None, :]
+    hit = is_eos(new_tokens, eos) & (i < n_new[:, None])
+    first_eos = jnp.min(jnp.where(hit, i, width), axis=1)
+    take = jnp.minimum(jnp.minimum(n_new, first_eos + 1), m - count)
+    take = jnp.where(done, 0, take)
+    dst = jnp.where(i < take[:, None], count[:, None] + i, m)
+    out = s_out.at[jnp.arange(b)[:, None], dst].set(new_tokens, mode="drop")
+    count = count + take
+    done = done | (first_eos < take) | (count >= m)
+    return out, count, done, take
+
+
+def step(tparams, dparams, s: State, *, graphdef, draft, gamma: int, sampling, eos) -> State:
+    key, k_draft, k_accept = jax.random.split(s.key, 3)
+    x, q, dstate = draft.propose(dparams, s.draft, k_draft, gamma, sampling)
+    b = x.shape[0]
+    block = causal_block(
+        s.cache.length, s.cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
+    )
+    logits, cache = apply(
+        graphdef, tparams, jnp.concatenate([s.token[:, None], x], 1), s.cache, block
+    )
+    n_acc, nxt = accept_chain(k_accept, x, q, probs(logits, sampling))
+    new = jnp.concatenate([x, nxt[:, None]], 1)
+    new = jnp.where(jnp.arange(gamma + 1)[None, :] == n_acc[:, None], nxt[:, None], new)
+    live = ~s.done
+    out, count, done, _ = emit(s.out, s.count, s.done, new, n_acc + 1, eos)
+    cache.length = cache.length + jnp.where(live, n_acc + 1, 0)
+    dstate = draft.commit(dstate, x, n_acc, nxt)
+    return State(
+        cache,
+        nxt,
+        out,
+        count,
+        done,
+        s.steps + 1,
+        s.emitted + jnp.where(live, n_acc + 1, 0),
+        s.live_steps + live,
+        dstate,
+        key,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "cfg", "draft", "gamma", "max_new", "capacity", "sampling", "eos"),
+)
+def decode(
+    tparams,
+    dparams,
+    ids,
+    lens,
+    key,
+    *,
+    graphdef,
+    cfg,
+    draft,
+    gamma,
+    max_new,
+    capacity,
+    sampling,
+    eos,
+):
+    s = init_state(
+        tparams,
+        dparams,
+        ids,
+        lens,
+        key,
+        graphdef=graphdef,
+        cfg=cfg,
+        draft=draft,
+        max_new=max_new,
+        capacity=capacity,
+        room=gamma + 2,
+        sampling=sampling,
+        eos=eos,
+    )
+    s = jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: step(
+            tparams,
+            dparams,
+            s,
+            graphdef=graphdef,
+            draft=draft,
+            gamma=gamma,
+            sampling=sampling,
+            eos=eos,
+        ),
+        s,
+    )
+    return s.out, s.count, s.steps, s.emitted, s.live_steps
+
+
+OPTIONS = ("gamma", "budget", "sinks", "ngram")
+
+
+def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
+    reject_unknown("chain", options, OPTIONS)
+    gamma = positive_int("gamma", options.pop("gamma", 4), maximum=64)
+    d, dparams = drafts.resolve(target, draft, "chain", **options)
+    static = dict(
+        graphdef=target.graphdef,
+        cfg=target.config,
+        draft=d,
+        gamma=gamma,
+        max_new=max_new,
+        capacity=ids.shape[1] + max_new + gamma + 2,
+        sampling=sampling,
+        eos=eos,
+    )
+    key = jax.random.key(seed)
+    exe, compile_s = compiled(decode, target.params, dparams, ids, lens, key, **static)
+    with Timer() as t:
+        out, count, steps, emitted, live = jax.block_until_ready(
+            exe(target.params, dparams, ids, lens, key)
+        )
+    acc = float(emitted.sum() / jnp.maximum(live.sum(), 1))
+    stats = {
+        "wall_s": t.s,
+        "compile_s": compile_s,
+        "target_steps": int(steps) + 1,
+        "draft_steps": int(steps) * gamma,
+        "acceptance_length": acc,
+        "gamma": gamma,
+    }
+    return out, count, stats

@@ -1,0 +1,117 @@
+"""Pieces every engine shares: padded prompt batches, chunked prefill, EOS bookkeeping,
+compilation caching and the result type."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxspec.kv_cache import KVCache, causal_block
+from jaxspec.model import apply
+
+PREFILL_CHUNK = 256
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """New tokens per prompt (stopping at EOS, kept, or max_new_tokens), their text when the
+    model has a tokenizer, and run statistics (wall_s, tokens_per_s, acceptance_length, ...)."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    stats: dict[str, Any]
+
+
+def pad_prompts(prompts: list[list[int]], multiple: int = PREFILL_CHUNK):
+    """Right-pad to a multiple of the prefill chunk: ids [B, L], lengths [B]."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    width = int(-(-lens.max() // multiple) * multiple)
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return jnp.asarray(ids), jnp.asarray(lens)
+
+
+def prefill(
+    graphdef,
+    params,
+    cache: KVCache,
+    ids: Int[Array, "b l"],
+    lens: Int[Array, " b"],
+    *,
+    vocab: int,
+    chunk: int = PREFILL_CHUNK,
+) -> tuple[Float[Array, "b v"], KVCache]:
+    """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
+    after each row's last prompt token and the cache with the prompt committed.
+
+    Positions equal slots here (a dense cache); ragged rows simply stop earlier.
+    """
+    b, width = ids.shape
+
+    def body(c, carry):
+        cache, last = carry
+        start = c * chunk
+        valid = jnp.clip(lens - start, 0, chunk)
+        tok = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
+        block = causal_block(cache.length, cache.length, valid, chunk)
+        select = jnp.clip(valid - 1, 0, chunk - 1)[:, None]
+        logits, cache = apply(graphdef, params, tok, cache, block, select)
+        ends_here = (valid > 0) & (lens <= start + chunk)
+        last = jnp.where(ends_here[:, None], logits[:, 0], last)
+        cache.length = cache.length + valid
+        return cache, last
+
+    last0 = jnp.zeros((b, vocab), jnp.float32)
+    cache, last = jax.lax.fori_loop(0, width // chunk, body, (cache, last0))
+    return last, cache
+
+
+def is_eos(tok: Int[Array, "*b"], eos_ids: tuple[int, ...]) -> Bool[Array, "*b"]:
+    if not eos_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
+
+
+def trim(out: np.ndarray, n: np.ndarray) -> list[list[int]]:
+    return [[int(x) for x in row[: int(k)]] for row, k in zip(out, n, strict=True)]
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0
+
+
+_COMPILED: dict = {}
+
+
+def compiled(fn, *args, **static):
+    """Ahead-of-time compile ``fn`` (a ``jax.jit`` with ``static`` as its static arguments) once
+    per (static values, argument shapes/dtypes/shardings); returns (executable, compile seconds).
+
+    Engines time execution apart from compilation, so tokens/s never includes a compile.
+    """
+
+    def spec(x):
+        return (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+
+    leaves, treedef = jax.tree.flatten(args)
+    key = (fn, tuple(sorted(static.items())), treedef, tuple(spec(x) for x in leaves))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    with Timer() as t:
+        exe = fn.lower(*args, **static).compile()
+    if len(_COMPILED) > 64:
+        _COMPILED.clear()
+    _COMPILED[key] = exe
+    return exe, t.s
