@@ -1,0 +1,98 @@
+"""Greedy autoregressive tokens/s of jaxspec vs HF transformers' eager ``generate`` on the same
+real model (SmolLM2-135M-Instruct from its GGUF), prompt and length.
+
+    .venv/bin/python benchmarks/bench_autoregressive.py [--new 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import metadata, write
+from jaxspec.convert import load
+from jaxspec.default_model import default_checkpoint, default_gguf_path
+from jaxspec.generate import generate
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def bench_jaxspec(path, new: int, repeats: int, dtype):
+    model = load(path, dtype=dtype)
+    r = generate(model, PROMPT, chat=True, max_new_tokens=new)  # compiles
+    times = []
+    for _ in range(repeats):
+        r = generate(model, PROMPT, chat=True, max_new_tokens=new)
+        times.append(r.stats["wall_s"])
+    n = r.stats["new_tokens"]
+    return n / statistics.median(times), r, model
+
+
+def bench_hf(gguf, ids: list[int], new: int, repeats: int, torch_dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch_dtype
+    ).eval()
+    x = torch.tensor([ids])
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        hf.generate(x, **kw)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = hf.generate(x, **kw)
+            times.append(time.perf_counter() - t)
+    return new / statistics.median(times), out[0, len(ids) :].tolist()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import jax.numpy as jnp
+    import torch
+
+    gpu = jax.default_backend() == "gpu"
+    path = default_checkpoint()
+    tps, r, model = bench_jaxspec(
+        path, args.new, args.repeats, jnp.bfloat16 if gpu else jnp.float32
+    )
+    from jaxspec.prompts import encode_text
+
+    ids = encode_text(model.tokenizer, PROMPT, chat=True)
+    hf_tps, hf_tokens = bench_hf(
+        default_gguf_path(), ids, args.new, args.repeats, torch.bfloat16 if gpu else torch.float32
+    )
+    ours = r.tokens[0]
+    same = int(np.argmin(np.array(ours + [-1]) == np.array(hf_tokens[: len(ours)] + [-2])))
+    payload = {
+        **metadata(),
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "prompt": PROMPT,
+        "new_tokens": r.stats["new_tokens"],
+        "jaxspec_greedy_tok_per_s": round(tps, 1),
+        "hf_eager_greedy_tok_per_s": round(hf_tps, 1),
+        "speedup": round(tps / hf_tps, 2),
+        "first_tokens_identical": same,
+        "jaxspec_compile_s": round(r.stats["compile_s"], 1),
+        "text": r.text[0][:400],
+    }
+    dev = "gpu" if gpu else "cpu"
+    write(f"ar_{dev}.json", payload, args.out)
+    print(
+        f"{'jaxspec':>10} {tps:8.1f} tok/s\n{'HF eager':>10} {hf_tps:8.1f} tok/s\n"
+        f"{'speedup':>10} {tps / hf_tps:8.2f}x   identical first tokens: {same}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Drafts that grow token trees (SwiftSpec-style best-first growth), for the tree engines.
+
+    state = draft.init(params, prefill, first_token)
+    state = draft.grow(params, state, expansions=d, width=w, branch=k)   # state.tree grows
+    state = draft.commit(state, verify_block, path, n_accepted, bonus)  # re-root
+
+Growth: each expansion runs the draft on the ``w`` best unexpanded leaves (score = sum of draft
+log-probs from the root) and adds each leaf's top-``k`` children. The tree is the draft's own
+guess; ``acceptance.accept_tree`` keeps the output lossless whatever the tree is.
+
+Evolving tree cache (dense model drafts): node i's K/V sit at slot ``root_slot + i`` once the
+node is expanded. After a verify, the root and the accepted path move into the prefix and the
+surviving subtree of the bonus token is compacted behind it with one gather
+(``tree.reroot_kv_src``); nothing is recomputed. If the last accepted node was never expanded,
+its K/V are computed by one extra "catch-up" query in the next expansion's forward. A streaming
+(sparse) draft commits the path into its ring and starts a fresh tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from jaxspec import tree as T
+from jaxspec.acceptance import top_children
+from jaxspec.config import ModelConfig
+from jaxspec.drafts import NgramDraft, NgramState, Prefill, Streaming, _gather_streaming, _resize
+from jaxspec.kv_cache import Block, KVCache, commit, init_cache
+from jaxspec.model import apply
+from jaxspec.sampling import Sampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelTreeState:
+    cache: KVCache  # length == root slot
+    tree: T.Tree
+    expanded: Bool[Array, "b n"]
+    seen: Int[Array, " b"]  # RoPE position of the root
+    catchup: Int[Array, " b"]  # token whose K/V the next grow must compute
+    catchup_slot: Int[Array, " b"]  # where they go (NO_SLOT: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTreeDraft:
+    graphdef: object
+    cfg: ModelConfig
+    capacity: int  # tree nodes, root included
+    sparse: Streaming | None = None
+    reuse_target_cache: bool = False
+
+    def init(self, params, pre: Prefill, first_token) -> ModelTreeState:
+        b, width = pre.ids.shape
+        if self.reuse_target_cache:
+            dense = pre.target_cache
+        else:
+            from jaxspec.engines.common import prefill
+
+            dtype = jax.tree.leaves(params)[0].dtype
+            cache = init_cache(self.cfg, b, width, dtype)
+            _, dense = prefill(
+                self.graphdef, params, cache, pre.ids, pre.lens, vocab=self.cfg.vocab_size
+            )
+        if self.sparse is not None:
+            cache = _gather_streaming(dense, pre.lens, self.sparse, room=self.capacity + 1)
+        else:
+            cache = _resize(dense, pre.capacity)
+        n = self.capacity
+        none = jnp.full((b,), T.NO_SLOT, jnp.int32)
+        return ModelTreeState(
+            cache,
+            T.new_tree(first_token, n),
+            jnp.zeros((b, n), bool),
+            pre.lens,
+            jnp.zeros((b,), jnp.int32),
+            none,
+        )
+
+    def grow(self, params, s: ModelTreeState, *, expansions: int, width: int, branch: int):
+        cache, tree, expanded = s.cache, s.tree, s.expanded
+        b, n = expanded.shape
+        for e in range(expansions):
+            leaves = T.best_leaves(tree, width, expanded)
+            tokens, block = T.expand_layout(tree, leaves, cache.length, s.seen)
+            if e == 0:  # the catch-up query: sees the prefix (its own slot included)
+                tokens = jnp.concatenate([s.catchup[:, None], tokens], 1)
+                block = Block(
+                    positions=jnp.concatenate([(s.seen - 1)[:, None], block.positions], 1),
+                    slots=jnp.concatenate([s.catchup_slot[:, None], block.slots], 1),
+                    block_mask=jnp.concatenate([jnp.zeros((b, 1, n), bool), block.block_mask], 1),
+                )
+            logits, cache = apply(self.graphdef, params, tokens, cache, block)
+            logp = jax.nn.log_softmax(logits[:, 1:] if e == 0 else logits, axis=-1)
+            child_tok, child_lp = top_children(logp, branch)
+            tree, _ = T.add_children(tree, leaves, child_tok, child_lp)
+            expanded = expanded | jnp.any(
+                jnp.arange(n)[None, None, :] == leaves[:, :, None], axis=1
+            )
+        none = jnp.full((b,), T.NO_SLOT, jnp.int32)
+        return dataclasses.replace(s, cache=cache, tree=tree, expanded=expanded, catchup_slot=none)
+
+    def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> ModelTreeState:
+        b = n_acc.shape[0]
+        rows = jnp.arange(b)
+        nodes = T.path_nodes(tb, path)
+        last = jnp.where(
+            n_acc > 0,
+            jnp.take_along_axis(nodes, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0],
+            0,
+        )
+        need = ~s.expanded[rows, last]
+        last_token = s.tree.token[rows, last]
+        seen = s.seen + 1 + n_acc
+        if self.sparse is None:
+            tree, keep_src, _ = T.reroot(s.tree, nodes, n_acc, bonus)
+            src, count, new_root = T.reroot_kv_src(s.cache.length, nodes, n_acc, keep_src)
+            cache = commit(s.cache, src, count)
+            cache.length = new_root
+            kept = keep_src >= 0
+            expanded = jnp.take_along_axis(s.expanded, jnp.maximum(keep_src, 0), 1) & kept
+            slot = new_root - 1
+        else:
+            sp = self.sparse
+            m = nodes.shape[1] + 1
+            i = jnp.arange(m)[None, :]
+            rel = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(nodes, 0)], 1)
+            src = s.cache.length[:, None] + rel
+            dst = jnp.where(i <= n_acc[:, None], sp.ring_slot(s.seen[:, None] + i), T.NO_SLOT)
+
+            def move(x):
+                return x.at[rows[:, None], dst].set(
+                    x[rows[:, None], jnp.clip(src, 0, x.shape[1] - 1)], mode="drop"
+                )
+
+            cache = KVCache(
+                [move(x) for x in s.cache.k],
+                [move(x) for x in s.cache.v],
+                jnp.minimum(seen, sp.budget).astype(jnp.int32),
+            )
+            tree = T.new_tree(bonus, self.capacity)
+            expanded = jnp.zeros_like(s.expanded)
+            slot = sp.ring_slot(seen - 1)
+        catchup_slot = jnp.where(need, slot, T.NO_SLOT).astype(jnp.int32)
+        return ModelTreeState(cache, tree, expanded, seen, last_token, catchup_slot)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramTreeState:
+    lookup: NgramState
+    tree: T.Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramTreeDraft:
+    """Prompt lookup as a tree: one path of ``expansions`` looked-up tokens."""
+
+    ngram: NgramDraft
+    capacity: int
+
+    def init(self, params, pre: Prefill, first_token) -> NgramTreeState:
+        return NgramTreeState(
+            self.ngram.init(params, pre, first_token), T.new_tree(first_token, self.capacity)
+        )
+
+    def grow(self, params, s: NgramTreeState, *, expansions: int, width: int, branch: int):
+        toks, _, _ = self.ngram.propose(None, s.lookup, None, expansions, Sampling())
+        tree = s.tree
+        parent = jnp.zeros((toks.shape[0], 1), jnp.int32)
+        for i in range(expansions):
+            zero = jnp.zeros((toks.shape[0], 1, 1), jnp.float32)
+            tree, new = T.add_children(tree, parent, toks[:, i, None, None], zero)
+            parent = new[:, :, 0]
+        return dataclasses.replace(s, tree=tree)
+
+    def commit(self, s: NgramTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> NgramTreeState:
+        chain = s.tree.token[:, 1:]  # nodes 1.. are the looked-up path, in order
+        lookup = self.ngram.commit(s.lookup, chain, n_acc, bonus)
+        return NgramTreeState(lookup, T.new_tree(bonus, self.capacity))
+
+
+def resolve(target, draft, *, capacity: int, budget: int = 256, sinks: int = 4, ngram: int = 3):
+    """``draft=`` -> (tree draft, params), reusing the chain drafts' checks."""
+    from jaxspec import drafts
+
+    d, params = drafts.resolve(target, draft, "tree", budget=budget, sinks=sinks, ngram=ngram)
+    if isinstance(d, NgramDraft):
+        return NgramTreeDraft(d, capacity), params
+    return ModelTreeDraft(d.graphdef, d.cfg, capacity, d.sparse, d.reuse_target_cache), params

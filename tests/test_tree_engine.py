@@ -1,0 +1,70 @@
+"""Tree speculation returns exactly the target's greedy tokens, whatever the draft and shape."""
+
+import pytest
+
+from jaxspec.generate import generate
+from tests import tiny
+
+SEEDS = range(20)
+NEW = 24
+SHAPE = dict(depth=3, width=3, branch=2, bs=6)
+
+
+def reference(target, ps):
+    return generate(target, ps, max_new_tokens=NEW).tokens
+
+
+def test_tree_greedy_equals_autoregressive_random_and_partial_drafts():
+    for seed in SEEDS:
+        target, ps = tiny.model(seed), tiny.prompts(seed)
+        ref = reference(target, ps)
+        for draft in (tiny.model(500 + seed), tiny.perturbed(target, 0.3, seed)):
+            r = generate(target, ps, draft=draft, method="tree", max_new_tokens=NEW, **SHAPE)
+            assert r.tokens == ref, seed
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self-streaming"])
+def test_tree_greedy_equals_autoregressive_builtin_drafts(kind):
+    opts = {"budget": 20, "sinks": 2} if kind == "self-streaming" else {}
+    for seed in SEEDS:
+        target, ps = tiny.model(seed), tiny.prompts(seed, lengths=(29, 3, 11))
+        r = generate(target, ps, draft=kind, method="tree", max_new_tokens=NEW, **SHAPE, **opts)
+        assert r.tokens == reference(target, ps), seed
+
+
+def test_tree_target_as_own_draft_accepts_the_whole_path():
+    for seed in range(8):
+        target, ps = tiny.model(seed), tiny.prompts(seed)
+        r = generate(
+            target,
+            ps,
+            draft=target,
+            method="tree",
+            max_new_tokens=NEW,
+            depth=4,
+            width=1,
+            branch=1,
+            bs=4,
+        )
+        assert r.tokens == reference(target, ps), seed
+        assert r.stats["acceptance_length"] == pytest.approx(5.0), seed
+
+
+def test_tree_stops_at_eos_inside_an_accepted_path():
+    for seed in range(5):
+        base, ps = tiny.model(seed), tiny.prompts(seed, lengths=(9,))
+        ref = reference(base, ps)[0]
+        target = tiny.with_eos(base, ref[5])
+        expected = ref[: ref.index(ref[5]) + 1]
+        r = generate(
+            target,
+            ps,
+            draft=target,
+            method="tree",
+            max_new_tokens=NEW,
+            depth=4,
+            width=1,
+            branch=1,
+            bs=4,
+        )
+        assert r.tokens[0] == expected
