@@ -28,7 +28,9 @@ def perturbed(m: Model, scale: float, seed: int) -> Model:
     """The same model with relative noise on every weight: a draft that agrees partly."""
     leaves, tree = jax.tree.flatten(m.params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x * (1 + scale * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)]
+    noisy = [
+        x * (1 + scale * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys, strict=True)
+    ]
     return dataclasses.replace(m, params=jax.tree.unflatten(tree, noisy))
 
 
