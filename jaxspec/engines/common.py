@@ -28,9 +28,11 @@ class GenerationResult:
     stats: dict[str, Any]
 
 
-def pad_prompts(prompts: list[list[int]], multiple: int = PREFILL_CHUNK):
-    """Right-pad to a multiple of the prefill chunk: ids [B, L], lengths [B]."""
+def pad_prompts(prompts: list[list[int]]):
+    """Right-pad: ids [B, L], lengths [B]. L is a multiple of 16 up to one prefill chunk, then of
+    the chunk (few distinct shapes, so few compiles)."""
     lens = np.array([len(p) for p in prompts], np.int32)
+    multiple = 16 if lens.max() <= PREFILL_CHUNK else PREFILL_CHUNK
     width = int(-(-lens.max() // multiple) * multiple)
     ids = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
@@ -46,7 +48,6 @@ def prefill(
     lens: Int[Array, " b"],
     *,
     vocab: int,
-    chunk: int = PREFILL_CHUNK,
 ) -> tuple[Float[Array, "b v"], KVCache]:
     """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
     after each row's last prompt token and the cache with the prompt committed.
@@ -54,6 +55,7 @@ def prefill(
     Positions equal slots here (a dense cache); ragged rows simply stop earlier.
     """
     b, width = ids.shape
+    chunk = min(width, PREFILL_CHUNK)
 
     def body(c, carry):
         cache, last = carry

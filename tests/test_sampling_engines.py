@@ -1,0 +1,140 @@
+"""Sampling through the chain and tree engines reproduces the target's distribution exactly:
+the joint law of the first three new tokens against exact enumeration, chi-square at a fixed
+seed, with a negative control (a rule that accepts every draft token) that the test rejects."""
+
+import itertools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec import acceptance
+from jaxspec.engines import chain as chain_engine
+from jaxspec.engines import common
+from jaxspec.engines import tree as tree_engine
+from jaxspec.generate import generate
+from jaxspec.sampling import Sampling, probs
+from tests import tiny
+
+V = 6
+PROMPT = [1, 4, 2, 5]
+SAMPLING = dict(temperature=0.9, top_p=0.95)
+ROWS, CALLS = 2000, 4
+
+
+def exact_joint(target) -> np.ndarray:
+    """p(t1, t2, t3 | prompt) by enumeration with the full forward."""
+    s = Sampling(**SAMPLING)
+    joint = np.zeros((V, V, V))
+    p1 = np.asarray(probs(target.logits([PROMPT])[0, -1], s))
+    for a in range(V):
+        p2 = np.asarray(probs(target.logits([PROMPT + [a]])[0, -1], s))
+        for b in range(V):
+            p3 = np.asarray(probs(target.logits([PROMPT + [a, b]])[0, -1], s))
+            joint[a, b] = p1[a] * p2[b] * p3
+    return joint
+
+
+def sampled_joint(target, draft, method, **opts) -> np.ndarray:
+    counts = np.zeros((V, V, V))
+    for seed in range(CALLS):
+        r = generate(
+            target,
+            [PROMPT] * ROWS,
+            draft=draft,
+            method=method,
+            max_new_tokens=3,
+            seed=seed,
+            **SAMPLING,
+            **opts,
+        )
+        for t in r.tokens:
+            counts[tuple(t)] += 1
+    return counts
+
+
+def chi_square_rejects(counts: np.ndarray, expected_p: np.ndarray) -> tuple[bool, float, float]:
+    """Pool cells with expected count < 5; critical value at alpha = 1e-4 (Wilson-Hilferty)."""
+    n = counts.sum()
+    exp = expected_p.reshape(-1) * n
+    obs = counts.reshape(-1)
+    assert obs[exp == 0].sum() == 0, "a token the target cannot emit was emitted"
+    small = exp < 5
+    o = np.append(obs[~small], obs[small].sum())
+    e = np.append(exp[~small], exp[small].sum())
+    keep = e > 0
+    o, e = o[keep], e[keep]
+    stat = float((((o - e) ** 2) / e).sum())
+    k = int(keep.sum()) - 1
+    z = 3.719  # one-sided normal quantile for 1e-4
+    crit = k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+    return stat > crit, stat, crit
+
+
+def models():
+    target = tiny.model(3, vocab_size=V)
+    return target, tiny.perturbed(target, 0.6, 9)
+
+
+def accept_everything_chain(key, x, q, p):
+    return jax.numpy.full(x.shape[:1], x.shape[1], jax.numpy.int32), acceptance.draw(key, p[:, -1])
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    common._COMPILED.clear()
+    jax.clear_caches()
+    yield
+    common._COMPILED.clear()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "method,opts",
+    [("chain", dict(gamma=2)), ("tree", dict(depth=2, width=2, branch=2, bs=4))],
+)
+def test_sampling_matches_target_distribution(method, opts):
+    target, draft = models()
+    rejects, stat, crit = chi_square_rejects(
+        sampled_joint(target, draft, method, **opts), exact_joint(target)
+    )
+    assert not rejects, (stat, crit)
+
+
+def test_autoregressive_sampling_matches_target_distribution():
+    target, _ = models()
+    counts = sampled_joint(target, None, "autoregressive")
+    rejects, stat, crit = chi_square_rejects(counts, exact_joint(target))
+    assert not rejects, (stat, crit)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_negative_control_always_accept_is_rejected(method, monkeypatch):
+    target, draft = models()
+    if method == "chain":
+        monkeypatch.setattr(chain_engine, "accept_chain", accept_everything_chain)
+        opts = dict(gamma=2)
+    else:
+
+        def always_first_child(key, tokens, parent, valid, p):
+            b, t = tokens.shape
+            # accept every slot of the (chain-shaped) tree, then draw from the last p
+            path = jax.numpy.broadcast_to(jax.numpy.arange(1, t), (b, t - 1)).astype(
+                jax.numpy.int32
+            )
+            n = jax.numpy.sum(valid[:, 1:], axis=1).astype(jax.numpy.int32)
+            return path, n, acceptance.draw(key, p[:, -1])
+
+        monkeypatch.setattr(tree_engine, "accept_tree", always_first_child)
+        opts = dict(depth=2, width=1, branch=1, bs=2)
+    rejects, stat, crit = chi_square_rejects(
+        sampled_joint(target, draft, method, **opts), exact_joint(target)
+    )
+    assert rejects, (stat, crit)
+
+
+def test_enumeration_covers_every_sequence():
+    target, _ = models()
+    assert exact_joint(target).sum() == pytest.approx(1.0, abs=1e-5)
+    assert len(list(itertools.product(range(V), repeat=3))) == V**3
