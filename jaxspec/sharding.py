@@ -1,0 +1,130 @@
+"""Meshes and tensor-parallel parameter layouts.
+
+One small table of logical rules says which dimension of each parameter is split over the mesh
+axis named ``"tp"`` (Megatron layout: column-parallel q/k/v/gate/up, row-parallel o/down, the
+vocabulary split in the embedding rows and the lm_head columns). Every other parameter is
+replicated, and every other mesh axis replicates the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import DeviceError
+
+TP = "tp"
+
+# Logical axis names per parameter (by the last two path parts: module, leaf), for [in, out]
+# kernels, [V, D] embeddings and 1-D biases / norm weights. None: not split.
+_PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("q_proj", "kernel"): (None, "heads"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "kernel"): (None, "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): (None, "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("heads", None),
+    ("gate_proj", "kernel"): (None, "mlp"),
+    ("up_proj", "kernel"): (None, "mlp"),
+    ("down_proj", "kernel"): ("mlp", None),
+    ("lm_head", "kernel"): (None, "vocab"),
+    ("", "embed_tokens"): ("vocab", None),
+}
+# Logical axis -> mesh axis.
+LOGICAL_RULES: dict[str, str] = {"heads": TP, "kv_heads": TP, "mlp": TP, "vocab": TP}
+
+
+def tp_degree(mesh: Mesh) -> int:
+    return int(dict(mesh.shape).get(TP, 1))
+
+
+def _split_sizes(cfg: ModelConfig) -> dict[str, int]:
+    return {
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def valid_tp_degrees(cfg: ModelConfig, limit: int | None = None) -> list[int]:
+    """Tensor-parallel degrees that divide every split dimension (up to ``limit``)."""
+    g = math.gcd(*_split_sizes(cfg).values())
+    return [d for d in range(1, g + 1) if g % d == 0 and (limit is None or d <= limit)]
+
+
+def check_tp(cfg: ModelConfig, degree: int) -> None:
+    """Raise DeviceError unless ``degree`` divides heads, kv heads, MLP width and vocabulary."""
+    bad = {k: v for k, v in _split_sizes(cfg).items() if v % degree}
+    if bad:
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        ok = valid_tp_degrees(cfg, limit=max(degree, len(jax.devices())))
+        raise DeviceError(
+            f"a tensor-parallel degree of {degree} (mesh axis {TP!r}) does not divide {what}; "
+            f"use a mesh whose {TP!r} axis has size {' or '.join(map(str, ok))}."
+        )
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis in Auto (GSPMD-propagated) mode.
+
+    ``jax.make_mesh`` makes Explicit axes by default; the model's forward is written for
+    sharding propagation (its gathers and contractions over split axes need no annotations),
+    so parameters are placed on the Auto twin of the caller's mesh.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def partition_spec(path: tuple, ndim: int) -> PartitionSpec:
+    """The PartitionSpec of the parameter at ``path`` (keys as in ``weights.hf_to_tree``)."""
+    names = tuple(str(k) for k in path)
+    key = ("", names[0]) if len(names) == 1 else names[-2:]
+    axes = _PARAM_AXES.get(key)
+    if axes is None or len(axes) != ndim:
+        return PartitionSpec()
+    return PartitionSpec(*(None if a is None else LOGICAL_RULES[a] for a in axes))
+
+
+def _layout(cfg: ModelConfig) -> dict:
+    """Nested dict (as ``hf_to_tree`` / ``nnx.to_pure_dict``) of parameter ranks."""
+    from jaxspec.weights import expected_shapes
+
+    tree: dict = {}
+    for path, shape in expected_shapes(cfg).items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = len(shape)
+    return tree
+
+
+def param_partition_specs(cfg: ModelConfig) -> dict:
+    """Nested dict of PartitionSpecs over the mesh axis ``"tp"`` (mesh-independent)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, ndim: partition_spec(tuple(_key(k) for k in p), ndim), _layout(cfg)
+    )
+
+
+def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Nested dict of NamedShardings for every parameter on ``mesh`` (checked for ``cfg``).
+
+    Raises DeviceError when the mesh's ``"tp"`` size does not divide the split dimensions.
+    """
+    check_tp(cfg, tp_degree(mesh))
+    mesh = auto_mesh(mesh)
+    specs = param_partition_specs(cfg)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def _key(k) -> object:
+    return getattr(k, "key", getattr(k, "idx", k))

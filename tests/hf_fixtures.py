@@ -1,0 +1,225 @@
+"""Tiny random HF checkpoints, made with transformers itself, for every supported family.
+
+Weights are random at a scale that gives O(1) logits; RMSNorm weights and q/k/v biases are
+randomised too (not left at ones / zeros), so a mis-mapped norm or bias shows in the logits.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 96
+
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so that the scaling changes the frequencies that 37 positions exercise
+    "original_max_position_embeddings": 16,
+}
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    initializer_range=0.125,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+FAMILIES = {
+    # Llama 2: multi-head attention, theta 1e4, no rope scaling, untied
+    "llama2": (
+        transformers.LlamaConfig,
+        dict(num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    ),
+    # Llama 3.1: GQA, theta 5e5, llama3 rope scaling
+    "llama3.1": (
+        transformers.LlamaConfig,
+        dict(rope_parameters={**_LLAMA3, "rope_theta": 5e5}),
+    ),
+    # Llama 3.2: like 3.1 with factor 32 and tied embeddings
+    "llama3.2": (
+        transformers.LlamaConfig,
+        dict(
+            rope_parameters={**_LLAMA3, "factor": 32.0, "rope_theta": 5e5},
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen2: q/k/v bias, theta 1e6
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            use_sliding_window=False,
+        ),
+    ),
+    # Mistral: GQA, theta 1e6, no sliding window (v0.2+)
+    "mistral": (
+        transformers.MistralConfig,
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None),
+    ),
+    # SmolLM2-like: llama, 3 heads / 1 kv head (not divisible by tp=2), tied, theta 1e5
+    "smollm2": (
+        transformers.LlamaConfig,
+        dict(
+            hidden_size=48,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=128,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+        ),
+    ),
+}
+
+
+def hf_config(family: str):
+    cls, extra = FAMILIES[family]
+    return cls(**{**_COMMON, **extra})
+
+
+def make_hf_model(family: str, *, seed: int = 0):
+    """A random float32 HF causal LM of ``family`` (eager attention, eval mode)."""
+    torch.manual_seed(seed)
+    cfg = hf_config(family)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def make_tokenizer():
+    """A tiny word-level fast tokenizer over the fixture vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def save_hf_checkpoint(
+    family: str,
+    folder: pathlib.Path,
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: bool = False,
+):
+    """Save a random ``family`` model (safetensors) to ``folder``; returns the torch model."""
+    model = make_hf_model(family, seed=seed)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    if tokenizer:
+        make_tokenizer().save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def llamacpp_permute(weights, n_head: int, n_head_kv: int | None):
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py), verbatim."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Path:
+    """Write an HF model as an F32 GGUF the way llama.cpp's converter does: llama.cpp tensor
+    names, q/k rows permuted for ``llama`` (not for ``qwen2``), llama3 RoPE scaling as a
+    ``rope_freqs`` tensor of per-frequency divisors, no ``output.weight`` when tied."""
+    import math
+
+    import gguf
+
+    cfg = model.config
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(rope.get("rope_theta", 10000.0))
+    hd = cfg.head_dim
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(theta)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    if rope.get("rope_type") == "llama3":  # llama.cpp's LlamaModel.generate_extra_tensors
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        factors = []
+        for freq in 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)):
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / high:
+                factors.append(1.0)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
+    for name, p in model.state_dict().items():
+        arr = p.detach().numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            _, _, i, *mod, kind = name.split(".")
+            out = f"blk.{i}.{names['.'.join(mod)]}.{kind}"
+            if arch == "llama" and mod[-1] in ("q_proj", "k_proj"):
+                kv = cfg.num_attention_heads if mod[-1] == "q_proj" else cfg.num_key_value_heads
+                arr = llamacpp_permute(arr, cfg.num_attention_heads, kv)
+        w.add_tensor(out, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,86 @@
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF (the embedded default model): converted to float32,
+its logits and greedy tokens match transformers loading the same GGUF (which dequantizes to
+float32 and undoes llama.cpp's q/k permutation itself)."""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxspec.convert import convert, load
+from jaxspec.default_model import default_gguf_path
+
+N_NEW = 32
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_gguf_path()
+    ckpt = convert(
+        gguf, tmp_path_factory.mktemp("smollm2") / "ckpt", dtype="float32", progress=False
+    )
+    model = load(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ids = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return model, hf, [int(i) for i in ids]
+
+
+def _hf_greedy(hf, prompt, n):
+    out, past = [], None
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            res = hf(input_ids=x, cache=past, use_cache=True)
+            past = res.cache
+            out.append(int(res.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_config_and_tokenizer(real):
+    model, hf, prompt = real
+    cfg = model.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+    assert cfg.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps, rel=0, abs=0)
+    assert model.tokenizer.chat_template and prompt[0] == cfg.bos_token_id == 1
+    assert model.tokenizer.decode(prompt).startswith("<|im_start|>system")
+
+
+def test_logits_match_transformers(real):
+    model, hf, prompt = real
+    ours = np.asarray(model.logits(np.array([prompt])))
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([prompt])).logits.numpy()
+    assert np.abs(want).max() > 10  # real logits, not a degenerate comparison
+    np.testing.assert_allclose(ours, want, rtol=0, atol=ATOL)
+
+
+def test_greedy_tokens_match_transformers(real):
+    """32 greedy tokens are identical. One causal forward over prompt + HF's greedy tokens gives
+    the logits a step-by-step greedy loop would see at every step (same prefixes), so equal
+    argmaxes at every step mean our greedy loop emits exactly these tokens."""
+    model, hf, prompt = real
+    want = _hf_greedy(hf, prompt, N_NEW)
+    seq = prompt + want
+    ours = np.asarray(model.logits(np.array([seq])))[0, len(prompt) - 1 : -1]
+    got = [int(t) for t in ours.argmax(-1)]
+    top2 = np.sort(ours, axis=-1)[:, -2:]
+    margin = float((top2[:, 1] - top2[:, 0]).min())
+    assert got == want, (
+        f"first difference at step {next(i for i in range(N_NEW) if got[i] != want[i])}"
+    )
+    assert margin > ATOL  # no near-tie decided by numerical noise
+    assert "Paris" in model.tokenizer.decode(want)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([seq])).logits.numpy()[0, len(prompt) - 1 : -1]
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=ATOL)
