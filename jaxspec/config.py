@@ -96,7 +96,7 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                max_position_embeddings=_usable_context(hf),
                 rope_theta=float(rope_theta or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -108,6 +108,18 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
+
+
+def _usable_context(hf: dict) -> int:
+    """The context jaxspec can decode exactly: attention here is full (no sliding window), so a
+    Mistral-style ``sliding_window`` caps it; past the window the model would attend differently.
+    """
+    ctx = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    use_window = hf.get("use_sliding_window", True)
+    if window and use_window and int(window) < ctx:
+        return int(window)
+    return ctx
 
 
 def _rope_scaling_from_hf(rope: dict | None) -> tuple | None:

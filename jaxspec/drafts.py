@@ -32,17 +32,17 @@ from jaxtyping import Array, Int
 from jaxspec.config import ModelConfig
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache
 from jaxspec.model import apply
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, probs, sample
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class Prefill:
     """What the engine hands a draft after the target's prefill."""
 
     ids: Int[Array, "b l"]  # padded prompts
     lens: Int[Array, " b"]
-    target_cache: KVCache  # the target's cache holding the prompt
+    target_cache: KVCache | None  # the target's cache with the prompt (None: on another mesh)
     capacity: int = dataclasses.field(metadata=dict(static=True))  # prompt width + new + room
     room: int = dataclasses.field(metadata=dict(static=True))  # widest block an engine uses
 
@@ -63,8 +63,7 @@ class Streaming:
         return jnp.where(j < self.budget, j, self.sinks + (j - self.sinks) % self.window)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class ModelDraftState:
     cache: KVCache  # committed tokens only
     pending: Int[Array, "b 2"]
@@ -190,8 +189,7 @@ def _commit_streaming(cache: KVCache, seen, count, sp: Streaming, width: int) ->
     )
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class NgramState:
     hist: Int[Array, "b h"]
     hlen: Int[Array, " b"]

@@ -12,17 +12,14 @@ path's K/V and advances ``length``.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.config import ModelConfig
+from jaxspec.pytree import pytree_dataclass
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class KVCache:
     """Per-layer keys and values ``[B, S, KH, hd]`` (keys stored after RoPE) and lengths ``[B]``."""
 
@@ -39,8 +36,7 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class Block:
     """What one forward computes: T query tokens per row and where their K/V go.
 

@@ -30,18 +30,20 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafts import NgramDraft, NgramState, Prefill, Streaming, _gather_streaming, _resize
 from jaxspec.kv_cache import Block, KVCache, commit, init_cache
 from jaxspec.model import apply
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class ModelTreeState:
     cache: KVCache  # length == root slot
     tree: T.Tree
-    expanded: Bool[Array, "b n"]
+    expanded: Bool[Array, "b n"]  # children added (a full tree can run a node and add none)
+    has_kv: Bool[Array, "b n"]  # the draft ran on the node: its K/V are in its slot
     seen: Int[Array, " b"]  # RoPE position of the root
     catchup: Int[Array, " b"]  # token whose K/V the next grow must compute
     catchup_slot: Int[Array, " b"]  # where they go (NO_SLOT: none)
+    carried: Int[Array, " b"]  # tree nodes kept across re-roots so far (their KV not recomputed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +76,15 @@ class ModelTreeDraft:
             cache,
             T.new_tree(first_token, n),
             jnp.zeros((b, n), bool),
+            jnp.zeros((b, n), bool),
             pre.lens,
             jnp.zeros((b,), jnp.int32),
             none,
+            jnp.zeros((b,), jnp.int32),
         )
 
     def grow(self, params, s: ModelTreeState, *, expansions: int, width: int, branch: int):
-        cache, tree, expanded = s.cache, s.tree, s.expanded
+        cache, tree, expanded, has_kv = s.cache, s.tree, s.expanded, s.has_kv
         b, n = expanded.shape
         for e in range(expansions):
             leaves = T.best_leaves(tree, width, expanded)
@@ -95,12 +99,15 @@ class ModelTreeDraft:
             logits, cache = apply(self.graphdef, params, tokens, cache, block)
             logp = jax.nn.log_softmax(logits[:, 1:] if e == 0 else logits, axis=-1)
             child_tok, child_lp = top_children(logp, branch)
-            tree, _ = T.add_children(tree, leaves, child_tok, child_lp)
-            expanded = expanded | jnp.any(
-                jnp.arange(n)[None, None, :] == leaves[:, :, None], axis=1
-            )
+            tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
+            ran = jnp.arange(n)[None, None, :] == leaves[:, :, None]  # [b, w, n]
+            has_kv = has_kv | jnp.any(ran, axis=1)
+            got_children = jnp.any(new_ids >= 0, axis=2)  # [b, w]
+            expanded = expanded | jnp.any(ran & got_children[:, :, None], axis=1)
         none = jnp.full((b,), T.NO_SLOT, jnp.int32)
-        return dataclasses.replace(s, cache=cache, tree=tree, expanded=expanded, catchup_slot=none)
+        return dataclasses.replace(
+            s, cache=cache, tree=tree, expanded=expanded, has_kv=has_kv, catchup_slot=none
+        )
 
     def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> ModelTreeState:
         b = n_acc.shape[0]
@@ -111,18 +118,21 @@ class ModelTreeDraft:
             jnp.take_along_axis(nodes, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0],
             0,
         )
-        need = ~s.expanded[rows, last]
+        need = ~s.has_kv[rows, last]
         last_token = s.tree.token[rows, last]
         seen = s.seen + 1 + n_acc
         if self.sparse is None:
-            tree, keep_src, _ = T.reroot(s.tree, nodes, n_acc, bonus)
+            tree, keep_src, n_kept = T.reroot(s.tree, nodes, n_acc, bonus)
             src, count, new_root = T.reroot_kv_src(s.cache.length, nodes, n_acc, keep_src)
             cache = commit(s.cache, src, count)
             cache.length = new_root
             kept = keep_src >= 0
-            expanded = jnp.take_along_axis(s.expanded, jnp.maximum(keep_src, 0), 1) & kept
+            follow = jnp.maximum(keep_src, 0)
+            expanded = jnp.take_along_axis(s.expanded, follow, 1) & kept
+            has_kv = jnp.take_along_axis(s.has_kv, follow, 1) & kept
             slot = new_root - 1
         else:
+            n_kept = jnp.zeros_like(n_acc)
             sp = self.sparse
             m = nodes.shape[1] + 1
             i = jnp.arange(m)[None, :]
@@ -142,13 +152,15 @@ class ModelTreeDraft:
             )
             tree = T.new_tree(bonus, self.capacity)
             expanded = jnp.zeros_like(s.expanded)
+            has_kv = expanded
             slot = sp.ring_slot(seen - 1)
         catchup_slot = jnp.where(need, slot, T.NO_SLOT).astype(jnp.int32)
-        return ModelTreeState(cache, tree, expanded, seen, last_token, catchup_slot)
+        return ModelTreeState(
+            cache, tree, expanded, has_kv, seen, last_token, catchup_slot, s.carried + n_kept
+        )
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class NgramTreeState:
     lookup: NgramState
     tree: T.Tree

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -17,11 +16,11 @@ from jaxspec.config import ModelConfig
 from jaxspec.engines.common import Timer, compiled, is_eos, prefill
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, sample
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class State:
     cache: KVCache
     token: Int[Array, " b"]  # the last emitted token, not yet in the cache

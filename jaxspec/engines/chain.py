@@ -4,7 +4,6 @@ token from the target. The whole loop runs on device."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -18,11 +17,11 @@ from jaxspec.engines.common import Timer, compiled, is_eos, prefill
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, probs, sample
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class State:
     cache: KVCache
     token: Int[Array, " b"]  # last emitted token, not yet in the target cache

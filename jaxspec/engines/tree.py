@@ -20,6 +20,7 @@ from jaxspec.engines.common import Timer, compiled, is_eos, prefill
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, commit, init_cache
 from jaxspec.model import apply
+from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, probs, sample
 
 
@@ -48,8 +49,7 @@ class TreeShape:
         )
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@pytree_dataclass
 class State:
     cache: KVCache  # target; length == slot of the root (last emitted token)
     out: Int[Array, "b m"]

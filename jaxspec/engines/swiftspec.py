@@ -1,0 +1,408 @@
+"""SwiftSpec: asynchronous, disaggregated tree speculation over two device meshes.
+
+The target lives on mesh A (devices [0, x), tensor-parallel over x), the draft on mesh B
+([x, x + y), tensor-parallel over y). One host thread drives both through JAX's asynchronous
+dispatch; nothing in the loop waits on a device except the handoff:
+
+    snapshot_0 = best bs nodes of the draft's tree                    (mesh B)
+    loop:
+        verify snapshot_n                                             (mesh A, in flight)
+        grow the draft tree d times, and again while the verify is     (mesh B, overlapping)
+          not ready (parallel tree generation)
+        handoff: path, n, bonus -> mesh B   (a few ids; the only host sync of the iteration)
+        re-root the *grown* tree on the verified path (evolving tree cache: verified KV to the
+          prefix, the bonus token's subtree kept -- including nodes grown during the verify --
+          dead branches dropped, nothing recomputed); take snapshot_{n+1}
+
+Only token ids and the snapshot (<= bs + 1 nodes) cross between meshes (``jax.device_put``).
+Exactness is the tree engine's: ``accept_tree`` is lossless for any snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxspec import tree as T
+from jaxspec import tree_drafts
+from jaxspec.drafts import Prefill
+from jaxspec.engines.chain import emit
+from jaxspec.engines.common import Timer, compiled, is_eos, prefill
+from jaxspec.engines.options import positive_int, reject_unknown
+from jaxspec.engines.tree import TreeShape
+from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
+from jaxspec.kv_cache import KVCache, commit, init_cache
+from jaxspec.pytree import pytree_dataclass
+from jaxspec.sampling import sample
+
+
+@pytree_dataclass
+class TargetState:
+    cache: KVCache
+    out: jax.Array
+    count: jax.Array
+    done: jax.Array
+    steps: jax.Array
+    emitted: jax.Array
+    live_steps: jax.Array
+
+
+@pytree_dataclass
+class Verdict:
+    """What crosses back from the target: accepted block slots, their number, the next token."""
+
+    path: jax.Array
+    n: jax.Array
+    next: jax.Array
+    done: jax.Array
+
+
+# ---------------------------------------------------------------- target worker (mesh A)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "cfg", "max_new", "capacity", "sampling", "eos")
+)
+def target_prefill(tparams, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling, eos):
+    b = ids.shape[0]
+    cache = init_cache(cfg, b, capacity, jax.tree.leaves(tparams)[0].dtype)
+    logits, cache = prefill(graphdef, tparams, cache, ids, lens, vocab=cfg.vocab_size)
+    tok = sample(key, logits, sampling)
+    zero = jnp.zeros((b,), jnp.int32)
+    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
+    done = is_eos(tok, eos) | (max_new <= 1)
+    return TargetState(cache, out, zero + 1, done, jnp.zeros((), jnp.int32), zero, zero), tok
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"), donate_argnums=1)
+def target_verify(tparams, s: TargetState, snap: T.TreeBlock, key, *, graphdef, sampling, eos):
+    """Verify a snapshot laid out at root slot/position 0: shift it to this cache's length."""
+    block = dataclasses.replace(
+        snap.block,
+        positions=snap.block.positions + s.cache.length[:, None],
+        slots=jnp.where(snap.valid, snap.block.slots + s.cache.length[:, None], T.NO_SLOT),
+    )
+    tb = dataclasses.replace(snap, block=block)
+    path, n, nxt, cache = _verify_block(
+        tparams, s.cache, tb, key, graphdef=graphdef, sampling=sampling
+    )
+    new = jnp.concatenate(
+        [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
+    )
+    new = jnp.where(jnp.arange(new.shape[1])[None, :] == n[:, None], nxt[:, None], new)
+    live = ~s.done
+    out, count, done, _ = emit(s.out, s.count, s.done, new, n + 1, eos)
+    src, cnt = T.verify_commit_src(cache.length, path, n)
+    cache = commit(cache, src, jnp.where(live, cnt, 0))
+    s = TargetState(
+        cache,
+        out,
+        count,
+        done,
+        s.steps + 1,
+        s.emitted + jnp.where(live, n + 1, 0),
+        s.live_steps + live,
+    )
+    return s, Verdict(path, n, nxt, jnp.all(done))
+
+
+def _verify_block(tparams, cache, tb, key, *, graphdef, sampling):
+    from jaxspec.acceptance import accept_tree, accept_tree_greedy
+    from jaxspec.model import apply
+    from jaxspec.sampling import probs
+
+    logits, cache = apply(graphdef, tparams, tb.tokens, cache, tb.block)
+    if sampling.greedy:
+        path, n, nxt = accept_tree_greedy(
+            tb.tokens, tb.parent, tb.valid, jnp.argmax(logits, -1).astype(jnp.int32)
+        )
+    else:
+        path, n, nxt = accept_tree(key, tb.tokens, tb.parent, tb.valid, probs(logits, sampling))
+    return path, n, nxt, cache
+
+
+# ---------------------------------------------------------------- draft worker (mesh B)
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "capacity"))
+def draft_init(dparams, ids, lens, first, *, draft, capacity):
+    pre = Prefill(ids, lens, None, capacity, draft.capacity)
+    return draft.init(dparams, pre, first)
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "width", "branch"), donate_argnums=1)
+def draft_expand(dparams, s, *, draft, width, branch):
+    return draft.grow(dparams, s, expansions=1, width=width, branch=branch)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("draft", "width", "branch", "bs", "limit"), donate_argnums=1
+)
+def draft_refill(dparams, s, *, draft, width, branch, bs, limit):
+    """After a re-root to a short tree, grow (at most ``limit`` expansions) until every row has
+    ``bs`` nodes to offer, so the next snapshot is never empty. Returns (state, expansions)."""
+
+    def short(c):
+        st, i = c
+        return (i < limit) & jnp.any(st.tree.size < bs + 1)
+
+    def grow(c):
+        st, i = c
+        return draft.grow(dparams, st, expansions=1, width=width, branch=branch), i + 1
+
+    return jax.lax.while_loop(short, grow, (s, jnp.zeros((), jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("bs",))
+def draft_snapshot(s, *, bs):
+    """The best bs nodes as a verify block at root slot/position 0 (the target shifts it)."""
+    idx, cnt = T.select_subtree(s.tree, bs)
+    zero = jnp.zeros_like(cnt)
+    return T.verify_layout(s.tree, idx, cnt, zero, zero)
+
+
+@functools.partial(jax.jit, static_argnames=("draft",), donate_argnums=0)
+def draft_reroot(s, snap: T.TreeBlock, v: Verdict, *, draft):
+    return draft.commit(s, snap, v.path, v.n, v.next)
+
+
+# ---------------------------------------------------------------- placement
+
+
+def split_devices(target_cfg, draft_cfg, options) -> tuple[list, list]:
+    from jaxspec.sharding import valid_tp_degrees
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        raise DeviceError(
+            "method='swiftspec' runs the target and the draft on separate devices and this "
+            "machine has one. Use method='tree' (the same trees, serially) or run on 2+ devices "
+            "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 before importing jax)."
+        )
+    x = options.pop("target_devices", None)
+    y = options.pop("draft_devices", None)
+    if x is None:
+        x = max(valid_tp_degrees(target_cfg, limit=len(devices) - (y or 1)))
+    if y is None:
+        y = max(valid_tp_degrees(draft_cfg, limit=len(devices) - x) or [1])
+    x = positive_int("target_devices", x)
+    y = positive_int("draft_devices", y)
+    if x + y > len(devices):
+        raise DeviceError(
+            f"target_devices={x} + draft_devices={y} exceeds the {len(devices)} "
+            "devices of this machine."
+        )
+    return devices[:x], devices[x : x + y]
+
+
+def place(params, cfg, devices):
+    """Parameters onto a 1-D tensor-parallel mesh over ``devices``; returns (params, mesh)."""
+    from jaxspec.sharding import TP, param_specs
+
+    mesh = jax.make_mesh(
+        (len(devices),), (TP,), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    specs = param_specs(cfg, mesh)
+    pure = nnx.to_pure_dict(params)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, s), pure, specs)
+    state = jax.tree.map(lambda x: x, params)
+    nnx.replace_by_pure_dict(state, placed)
+    return state, mesh
+
+
+# ---------------------------------------------------------------- the loop
+
+OPTIONS = (
+    "depth",
+    "width",
+    "branch",
+    "bs",
+    "budget",
+    "sinks",
+    "ngram",
+    "target_devices",
+    "draft_devices",
+    "max_extra",
+    "observe",
+)
+
+
+def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
+    reject_unknown("swiftspec", options, OPTIONS)
+    observe = options.pop("observe", None)  # test hook: called with (target, draft) states
+    max_extra = options.pop("max_extra", 8)
+    if isinstance(max_extra, bool) or not isinstance(max_extra, int) or max_extra < 0:
+        raise OptionError(f"max_extra must be an integer >= 0, got {max_extra!r}.")
+    d = positive_int("depth", options.pop("depth", 4), maximum=32)
+    shape = TreeShape(
+        depth=d + max_extra,
+        width=positive_int("width", options.pop("width", 8)),
+        branch=positive_int("branch", options.pop("branch", 4)),
+        bs=positive_int("bs", options.pop("bs", 8)),
+    )
+    if draft == "ngram":
+        raise DraftError(
+            "method='swiftspec' needs a draft model (or 'self-streaming'); "
+            "'ngram' has nothing to run on a second mesh: use method='tree'."
+        )
+    dr, dparams = tree_drafts.resolve(
+        target,
+        draft,
+        capacity=shape.capacity,
+        **{k: options.pop(k) for k in ("budget", "sinks", "ngram") if k in options},
+    )
+    dr = dataclasses.replace(dr, reuse_target_cache=False)
+    tdev, ddev = split_devices(target.config, dr.cfg, options)
+    tparams, tmesh = place(target.params, target.config, tdev)
+    dparams, dmesh = place(dparams, dr.cfg, ddev)
+    on_t = NamedSharding(tmesh, PartitionSpec())
+    on_d = NamedSharding(dmesh, PartitionSpec())
+    capacity = ids.shape[1] + max_new + shape.capacity + 2
+    key = jax.random.key(seed)
+
+    stats = dict(
+        verify_steps=0, draft_expansions=0, expansions_in_flight=0, handoff_s=0.0, compile_s=0.0
+    )
+    run_worker = functools.partial(_worker, stats)
+    refills = []  # expansion counts of the refills, summed once at the end (no sync per step)
+    t0 = time.perf_counter()
+    try:
+        ts, first = run_worker(
+            "target",
+            target_prefill,
+            tparams,
+            jax.device_put(ids, on_t),
+            jax.device_put(lens, on_t),
+            jax.device_put(key, on_t),
+            graphdef=target.graphdef,
+            cfg=target.config,
+            max_new=max_new,
+            capacity=capacity,
+            sampling=sampling,
+            eos=eos,
+        )
+        ds = run_worker(
+            "draft",
+            draft_init,
+            dparams,
+            jax.device_put(ids, on_d),
+            jax.device_put(lens, on_d),
+            jax.device_put(first, on_d),
+            draft=dr,
+            capacity=capacity,
+        )
+        for _ in range(d):
+            ds = run_worker(
+                "draft", draft_expand, dparams, ds, draft=dr, width=shape.width, branch=shape.branch
+            )
+            stats["draft_expansions"] += 1
+        while True:
+            snap = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
+            with Timer() as h:
+                snap_t = jax.device_put(snap, on_t)
+            key, sub = jax.random.split(key)
+            ts, verdict = run_worker(
+                "target",
+                target_verify,
+                tparams,
+                ts,
+                snap_t,
+                jax.device_put(sub, on_t),
+                graphdef=target.graphdef,
+                sampling=sampling,
+                eos=eos,
+            )
+            stats["verify_steps"] += 1
+            # parallel tree generation: the draft grows while the verify is in flight
+            extra = 0
+            for i in range(d + max_extra):
+                if i >= d and verdict.n.is_ready():
+                    break
+                in_flight = not verdict.n.is_ready()
+                ds = run_worker(
+                    "draft",
+                    draft_expand,
+                    dparams,
+                    ds,
+                    draft=dr,
+                    width=shape.width,
+                    branch=shape.branch,
+                )
+                stats["draft_expansions"] += 1
+                stats["expansions_in_flight"] += int(in_flight)
+                extra += i >= d
+            with Timer() as h2:
+                v = jax.device_put(verdict, on_d)
+                finished = bool(_checked(verdict, shape.bs))  # the iteration's one host sync
+            stats["handoff_s"] += h.s + h2.s
+            ds = run_worker("draft", draft_reroot, ds, snap, v, draft=dr)
+            if observe is not None:
+                observe(ts, ds)
+            if finished:
+                break
+            ds, grown = run_worker(
+                "draft",
+                draft_refill,
+                dparams,
+                ds,
+                draft=dr,
+                width=shape.width,
+                branch=shape.branch,
+                bs=shape.bs,
+                limit=d,
+            )
+            refills.append(grown)
+        out, count = np.asarray(ts.out), np.asarray(ts.count)
+    except WorkerError:
+        raise
+    except Exception as e:  # a fault in a transfer or a check: name it, never hang
+        raise WorkerError(f"swiftspec failed outside a worker: {type(e).__name__}: {e}") from e
+    wall = time.perf_counter() - t0 - stats["compile_s"]
+    stats["refill_expansions"] = int(sum(int(x) for x in refills))
+    stats["draft_expansions"] += stats["refill_expansions"]
+    live = max(int(np.asarray(ts.live_steps).sum()), 1)
+    stats.update(
+        wall_s=wall,
+        target_steps=stats["verify_steps"] + 1,
+        nodes_carried=int(np.asarray(ds.carried).sum()) if hasattr(ds, "carried") else 0,
+        draft_steps=stats["draft_expansions"],
+        acceptance_length=float(np.asarray(ts.emitted).sum()) / live,
+        target_devices=len(tdev),
+        draft_devices=len(ddev),
+        d=d,
+        bs=shape.bs,
+        width=shape.width,
+        branch=shape.branch,
+    )
+    return out, count, stats
+
+
+def _worker(stats: dict, name: str, fn, *args, **kwargs):
+    """Run one worker step (compiled once per shape; compile time kept out of wall_s)."""
+    try:
+        exe, compile_s = compiled(fn, *args, **kwargs)
+        stats["compile_s"] += compile_s
+        return exe(*args)
+    except Exception as e:
+        raise WorkerError(
+            f"the {name} worker failed in {getattr(fn, '__name__', fn)}: "
+            f"{type(e).__name__}: {e}. Both workers were stopped."
+        ) from e
+
+
+def _checked(v: Verdict, bs: int) -> bool:
+    n = np.asarray(v.n)
+    nxt = np.asarray(v.next)
+    if n.min() < 0 or n.max() > bs or nxt.min() < 0:
+        raise WorkerError(
+            f"the target worker returned an invalid verdict (accepted {n.tolist()}, "
+            f"next {nxt.tolist()}). Both workers were stopped."
+        )
+    return bool(np.asarray(v.done))

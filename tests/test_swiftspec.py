@@ -1,0 +1,188 @@
+"""SwiftSpec: exact greedy tokens on every device layout, re-root invariants after every
+verification, draft growth during verification, faults surfaced as errors, no leaks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.engines import swiftspec
+from jaxspec.errors import DeviceError, WorkerError
+from jaxspec.generate import generate
+from jaxspec.kv_cache import causal_block, init_cache
+from jaxspec.model import apply
+from tests import tiny
+
+NEW = 20
+SHAPE = dict(depth=2, width=3, branch=2, bs=6)
+CHANGES = dict(num_heads=4, num_kv_heads=4, vocab_size=64)
+
+
+def target_and_prompts(seed, lengths=(23, 3, 11)):
+    return tiny.model(seed, **CHANGES), tiny.prompts(seed, lengths=lengths, vocab=64)
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_swiftspec_greedy_equals_autoregressive_on_every_layout(layout):
+    for seed in range(5):
+        target, ps = target_and_prompts(seed)
+        ref = generate(target, ps, max_new_tokens=NEW).tokens
+        for draft in (tiny.model(700 + seed, **CHANGES), tiny.perturbed(target, 0.3, seed)):
+            r = generate(
+                target,
+                ps,
+                draft=draft,
+                method="swiftspec",
+                max_new_tokens=NEW,
+                target_devices=layout[0],
+                draft_devices=layout[1],
+                **SHAPE,
+            )
+            assert r.tokens == ref, (layout, seed)
+            assert (r.stats["target_devices"], r.stats["draft_devices"]) == layout
+
+
+def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes():
+    target, ps = target_and_prompts(0)
+    r = generate(
+        target,
+        ps,
+        draft=target,
+        method="swiftspec",
+        max_new_tokens=NEW,
+        target_devices=2,
+        draft_devices=2,
+        depth=2,
+        width=1,
+        branch=1,
+        bs=2,
+    )
+    assert r.tokens == generate(target, ps, max_new_tokens=NEW).tokens
+    s = r.stats
+    # counted, not timed: expansions dispatched before the verdict was ready
+    assert s["expansions_in_flight"] > 0
+    assert s["draft_expansions"] >= s["verify_steps"] * 2
+    # a chain-shaped tree deeper than bs: the bonus token is in the tree, its subtree survives
+    assert s["nodes_carried"] > 0
+    assert s["acceptance_length"] == pytest.approx(3.0)
+
+
+def test_reroot_invariants_hold_after_every_verification():
+    target, ps = target_and_prompts(1)
+    draft = tiny.perturbed(target, 0.2, 3)
+    lens = [len(p) for p in ps]
+    checked = []
+
+    def observe(ts, ds):
+        out, count = np.asarray(ts.out), np.asarray(ts.count)
+        length = np.asarray(ds.cache.length)
+        # the draft's root slot is the target's cache length (both dense), and its root token
+        # is the last token the target emitted
+        live = np.flatnonzero(~np.asarray(ts.done))  # finished rows stop committing
+        np.testing.assert_array_equal(length[live], np.asarray(ts.cache.length)[live])
+        roots = np.asarray(ds.tree.token[:, 0])
+        for b in live:
+            assert roots[b] == out[b, count[b] - 1]
+        # the re-rooted prefix KV equals KV recomputed from scratch for the committed tokens
+        for b in live:
+            seq = list(ps[b]) + out[b, : count[b] - 1].tolist()
+            assert len(seq) == length[b]
+            ref_k, ref_v = prefill_kv(draft, seq)
+            for layer in range(draft.config.num_layers):
+                np.testing.assert_allclose(
+                    ds.cache.k[layer][b, : length[b]], ref_k[layer], atol=1e-5
+                )
+                np.testing.assert_allclose(
+                    ds.cache.v[layer][b, : length[b]], ref_v[layer], atol=1e-5
+                )
+        # kept trees are well formed: parents come before children, depths follow parents
+        tree = ds.tree
+        valid, parent, depth = (np.asarray(x) for x in (tree.valid, tree.parent, tree.depth))
+        for b in range(len(ps)):
+            for i in np.flatnonzero(valid[b])[1:]:
+                assert 0 <= parent[b, i] < i and depth[b, i] == depth[b, parent[b, i]] + 1
+        checked.append(len(live))
+
+    r = generate(
+        target,
+        ps,
+        draft=draft,
+        method="swiftspec",
+        max_new_tokens=NEW,
+        target_devices=1,
+        draft_devices=1,
+        observe=observe,
+        **SHAPE,
+    )
+    assert r.tokens == generate(target, ps, max_new_tokens=NEW).tokens
+    assert len(checked) == r.stats["verify_steps"] and sum(checked) > 0 and lens
+
+
+def prefill_kv(model, seq):
+    cache = init_cache(model.config, 1, len(seq))
+    zero = jnp.zeros((1,), jnp.int32)
+    block = causal_block(zero, zero, jnp.array([len(seq)], jnp.int32), len(seq))
+    _, cache = apply(model.graphdef, model.params, jnp.array([seq]), cache, block)
+    return [np.asarray(x[0]) for x in cache.k], [np.asarray(x[0]) for x in cache.v]
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_a_fault_in_either_worker_raises_and_the_engine_runs_again(worker, monkeypatch):
+    target, ps = target_and_prompts(2)
+    draft = tiny.perturbed(target, 0.3, 2)
+    kwargs = dict(
+        draft=draft,
+        method="swiftspec",
+        max_new_tokens=NEW,
+        target_devices=1,
+        draft_devices=1,
+        **SHAPE,
+    )
+    if worker == "draft":
+
+        def bad_expand(dparams, s, *, draft, width, branch):
+            raise RuntimeError("injected fault in the draft")
+
+        monkeypatch.setattr(swiftspec, "draft_expand", bad_expand)
+    else:
+        real = swiftspec.target_verify
+
+        def bad_verify(*args, **kw):
+            s, v = real(*args, **kw)
+            return s, swiftspec.Verdict(v.path, v.n - 100, v.next, v.done)  # a bad value
+
+        monkeypatch.setattr(swiftspec, "target_verify", bad_verify)
+    with pytest.raises(WorkerError, match=worker):
+        generate(target, ps, **kwargs)
+    monkeypatch.undo()
+    assert generate(target, ps, **kwargs).tokens == generate(target, ps, max_new_tokens=NEW).tokens
+
+
+def test_soak_back_to_back_generations_do_not_grow_live_buffers():
+    target, ps = target_and_prompts(3, lengths=(7, 4))
+    draft = tiny.perturbed(target, 0.3, 4)
+    kwargs = dict(
+        draft=draft,
+        method="swiftspec",
+        max_new_tokens=8,
+        target_devices=1,
+        draft_devices=1,
+        **SHAPE,
+    )
+    for _ in range(5):
+        generate(target, ps, **kwargs)
+    before = len(jax.live_arrays())
+    for _ in range(150):
+        generate(target, ps, **kwargs)
+    assert len(jax.live_arrays()) <= before
+
+
+def test_swiftspec_says_what_to_do_with_bad_layouts(monkeypatch):
+    target, ps = target_and_prompts(4)
+    with pytest.raises(DeviceError, match="does not divide"):
+        generate(target, ps, draft=target, method="swiftspec", target_devices=3, draft_devices=1)
+    with pytest.raises(DeviceError, match="exceeds"):
+        generate(target, ps, draft=target, method="swiftspec", target_devices=4, draft_devices=8)
+    monkeypatch.setattr(jax, "devices", lambda *a: [jax.local_devices()[0]])
+    with pytest.raises(DeviceError, match="method='tree'"):
+        generate(target, ps, draft=target, method="swiftspec")
