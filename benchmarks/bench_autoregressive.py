@@ -32,6 +32,24 @@ def bench_jaxspec(path, new: int, repeats: int, dtype):
     return n / statistics.median(times), r, model
 
 
+def bench_context(model, ctx: int, new: int, repeats: int) -> float:
+    """Greedy tokens/s with a prompt of ``ctx - new`` tokens of real text (HumanEval prompts
+    concatenated), so the cache holds about ``ctx`` tokens by the end."""
+    from benchmarks.common import humaneval_prompts
+
+    text = "\n".join(humaneval_prompts(20))
+    ids = model.tokenizer.encode(text)
+    while len(ids) < ctx:
+        ids = ids + ids
+    ids = ids[: ctx - new]
+    generate(model, [ids], max_new_tokens=new)
+    times = []
+    for _ in range(repeats):
+        r = generate(model, [ids], max_new_tokens=new)
+        times.append(r.stats["wall_s"])
+    return r.stats["new_tokens"] / statistics.median(times)
+
+
 def bench_hf(gguf, ids: list[int], new: int, repeats: int, torch_dtype):
     import torch
     from transformers import AutoModelForCausalLM
@@ -56,6 +74,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--contexts",
+        default="1024,4096",
+        help="also time jaxspec at these context lengths (real text prompts)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax.numpy as jnp
@@ -86,6 +109,10 @@ def main():
         "jaxspec_compile_s": round(r.stats["compile_s"], 1),
         "text": r.text[0][:400],
     }
+    for ctx in [int(c) for c in args.contexts.split(",") if c]:
+        payload[f"jaxspec_greedy_tok_per_s_ctx{ctx}"] = round(
+            bench_context(model, ctx, args.new, args.repeats), 1
+        )
     dev = "gpu" if gpu else "cpu"
     write(f"ar_{dev}.json", payload, args.out)
     print(

@@ -74,6 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_generation_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+    pr = sub.add_parser(
+        "profile",
+        help="measure SwiftSpec's workers on every device split; pick the split and d",
+        description="Times one target verify of --bs tree nodes, one draft expansion of --width "
+        "leaves and the handoffs for each device split this machine allows, and picks d (draft "
+        "expansions per verification) that hides the draft behind the verify. method="
+        "'swiftspec' runs this itself when its options leave the split or depth open.",
+    )
+    _add_model_args(pr)
+    pr.add_argument("--draft", required=True, help="draft checkpoint folder, or self-streaming")
+    pr.add_argument("--prompt-tokens", type=int, default=512, help="prefix length to profile at")
+    pr.add_argument("--width", type=int, default=8)
+    pr.add_argument("--branch", type=int, default=4)
+    pr.add_argument("--bs", type=int, default=8)
+    pr.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="also print the tokens/s implied at this acceptance length",
+    )
     return parser
 
 
@@ -148,7 +169,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": cmd_convert, "generate": cmd_generate}
+def cmd_profile(args) -> int:
+    from jaxspec import profiler
+    from jaxspec.errors import OptionError
+
+    if args.prompt_tokens < 1:
+        raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
+    target = _load_target(args)
+    draft = _load_draft(args)
+    prompt = [int(target.config.bos_token_id or 1)] * args.prompt_tokens
+    head = f"{'target':>6} {'draft':>5} {'verify ms':>10} {'expand ms':>10} {'handoff ms':>11} "
+    head += f"{'d':>3} {'iteration ms':>13}"
+    if args.acceptance:
+        head += f" {'implied tok/s':>14}"
+    print(head)
+
+    def row(p):
+        line = f"{p.target_devices:>6} {p.draft_devices:>5} {p.t_verify_ms:>10.3f} "
+        line += f"{p.t_draft_ms:>10.3f} {p.handoff_ms:>11.3f} {p.d:>3} {p.iteration_ms:>13.3f}"
+        if args.acceptance:
+            line += f" {args.acceptance * 1e3 / p.iteration_ms:>14.1f}"
+        print(line, flush=True)
+
+    best = profiler.profile(
+        target, draft, prompt, width=args.width, branch=args.branch, bs=args.bs, progress=row
+    )[0]
+    print(
+        f"\nbest: target on {best.target_devices} device(s), draft on {best.draft_devices}, "
+        f"d = {best.d} (iteration {best.iteration_ms:.3f} ms)"
+    )
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "generate": cmd_generate, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

