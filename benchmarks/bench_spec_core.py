@@ -65,8 +65,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--swiftspec", action="store_true",
-                    help="also run method='swiftspec' (needs 2+ devices)")
+    ap.add_argument(
+        "--swiftspec", action="store_true", help="also run method='swiftspec' (needs 2+ devices)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
@@ -74,8 +75,13 @@ def main():
     prompts = humaneval_prompts(args.prompts)
     configs = list(CONFIGS)
     if args.swiftspec and jax.device_count() >= 2:
-        configs.append(("swiftspec", "self-streaming", {"width": 4, "branch": 2, "bs": 8,
-                                                        "budget": 64, "sinks": 4}))
+        configs.append(
+            (
+                "swiftspec",
+                "self-streaming",
+                {"width": 4, "branch": 2, "bs": 8, "budget": 64, "sinks": 4},
+            )
+        )
     results = []
     for method, draft, opts in configs:
         res = run(model, prompts, method, draft, opts, args.new)

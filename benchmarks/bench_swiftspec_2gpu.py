@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.common import metadata, write
+from jaxspec import profiler
 from jaxspec.config import ModelConfig
-from jaxspec.engines import swiftspec as sw
-from jaxspec.engines.common import pad_prompts
-from jaxspec.engines.tree import TreeShape
 from jaxspec.generate import generate
 from jaxspec.model import new_model
-from jaxspec.sampling import Sampling
-from jaxspec.tree_drafts import ModelTreeDraft
 
 LLAMA3_8B = ModelConfig(
     vocab_size=128256,
@@ -76,79 +69,6 @@ SMOKE_D = ModelConfig(
 )
 
 
-def timed(fn, reps):
-    fn()  # warm
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
-def pieces(target, draft, prompt, shape: TreeShape, bs_list, reps):
-    """Median ms of one verify (per bs), one draft expansion and both handoffs."""
-    d0, d1 = jax.devices()[:2]
-    tparams, tmesh = sw.place(target.params, target.config, [d0])
-    dparams, dmesh = sw.place(draft.params, draft.config, [d1])
-    on_t, on_d = NamedSharding(tmesh, PartitionSpec()), NamedSharding(dmesh, PartitionSpec())
-    ids, lens = pad_prompts([prompt])
-    cap = ids.shape[1] + 4096 + shape.capacity
-    s = Sampling()
-    ts, first = sw.target_prefill(
-        tparams,
-        jax.device_put(ids, on_t),
-        jax.device_put(lens, on_t),
-        jax.device_put(jax.random.key(0), on_t),
-        graphdef=target.graphdef,
-        cfg=target.config,
-        max_new=4096,
-        capacity=cap,
-        sampling=s,
-        eos=(),
-    )
-    dr = ModelTreeDraft(draft.graphdef, draft.config, shape.capacity)
-    ds = sw.draft_init(
-        dparams,
-        jax.device_put(ids, on_d),
-        jax.device_put(lens, on_d),
-        jax.device_put(first, on_d),
-        draft=dr,
-        capacity=cap,
-    )
-    out = {}
-    box = {"ds": ds}
-
-    def expand():
-        box["ds"] = sw.draft_expand(
-            dparams, box["ds"], draft=dr, width=shape.width, branch=shape.branch
-        )
-        return box["ds"].tree.size
-
-    out["t_draft_ms"] = timed(expand, reps)
-    key = jax.device_put(jax.random.key(1), on_t)
-    for bs in bs_list:
-        snap = sw.draft_snapshot(box["ds"], bs=bs)
-        snap_t = jax.device_put(snap, on_t)
-        tbox = {"ts": ts}
-
-        def verify(snap_t=snap_t, tbox=tbox):
-            tbox["ts"], v = sw.target_verify(
-                tparams, tbox["ts"], snap_t, key, graphdef=target.graphdef, sampling=s, eos=()
-            )
-            return v.n
-
-        out[f"t_verify_bs{bs}_ms"] = timed(verify, reps)
-        ts = tbox["ts"]
-        if bs == shape.bs:
-            out["handoff_to_target_ms"] = timed(lambda snap=snap: jax.device_put(snap, on_t), reps)
-            ts, v = sw.target_verify(
-                tparams, ts, snap_t, key, graphdef=target.graphdef, sampling=s, eos=()
-            )
-            out["handoff_to_draft_ms"] = timed(lambda v=v: jax.device_put(v, on_d), reps)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new", type=int, default=48)
@@ -166,11 +86,19 @@ def main():
         draft = new_model(dcfg, seed=1, dtype=dtype)
     prompt = np.random.RandomState(0).randint(0, tcfg.vocab_size, args.prompt).tolist()
     width, branch, bs = 8, 4, 8
-    probe = TreeShape(depth=8, width=width, branch=branch, bs=bs)
-    res = pieces(target, draft, prompt, probe, (8, 16), args.reps)
-    handoff = res["handoff_to_target_ms"] + res["handoff_to_draft_ms"]
-    d = max(1, round((res["t_verify_bs8_ms"] - handoff) / res["t_draft_ms"]))
-    print({k: round(v, 3) for k, v in res.items()}, "d =", d, flush=True)
+    prof = profiler.measure(
+        target, draft, prompt, (1, 1), width=width, branch=branch, bs=bs, reps=args.reps
+    )
+    prof16 = profiler.measure(
+        target, draft, prompt, (1, 1), width=width, branch=branch, bs=16, reps=args.reps
+    )
+    d, handoff = prof.d, prof.handoff_ms
+    res = {
+        "t_verify_bs8_ms": prof.t_verify_ms,
+        "t_verify_bs16_ms": prof16.t_verify_ms,
+        "t_draft_ms": prof.t_draft_ms,
+    }
+    print(prof, prof16, flush=True)
 
     common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
     r = generate(

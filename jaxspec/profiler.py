@@ -62,14 +62,17 @@ def measure(
     tparams, tmesh = sw.place(target.params, target.config, devices[:x])
     dparams, dmesh = sw.place(dparams, dr.cfg, devices[x : x + y])
     on_t, on_d = NamedSharding(tmesh, PartitionSpec()), NamedSharding(dmesh, PartitionSpec())
+    tflat, tptree = jax.tree.flatten(tparams)
+    dflat, dptree = jax.tree.flatten(dparams)
     ids, lens = pad_prompts([prompt])
     cap = ids.shape[1] + 2 * reps + 64 + shape.capacity * 2
     s = Sampling()
     ts, first = sw.target_prefill(
-        tparams,
+        tflat,
         jax.device_put(ids, on_t),
         jax.device_put(lens, on_t),
         jax.device_put(jax.random.key(0), on_t),
+        ptree=tptree,
         graphdef=target.graphdef,
         cfg=target.config,
         max_new=cap,
@@ -77,19 +80,21 @@ def measure(
         sampling=s,
         eos=(),
     )
+    grow = dict(ptree=dptree, draft=dr, width=width, branch=branch, n=1)
     box = {
         "ds": sw.draft_init(
-            dparams,
+            dflat,
             jax.device_put(ids, on_d),
             jax.device_put(lens, on_d),
             jax.device_put(first, on_d),
+            ptree=dptree,
             draft=dr,
             capacity=cap,
         )
     }
 
     def expand():
-        box["ds"] = sw.draft_expand(dparams, box["ds"], draft=dr, width=width, branch=branch)
+        box["ds"] = sw.draft_grow(dflat, box["ds"], **grow)
         return box["ds"].tree.size
 
     t_draft = _median_ms(expand, reps)
@@ -100,7 +105,14 @@ def measure(
 
     def verify():
         tbox["ts"], v = sw.target_verify(
-            tparams, tbox["ts"], snap_t, key, graphdef=target.graphdef, sampling=s, eos=()
+            tflat,
+            tbox["ts"],
+            snap_t,
+            key,
+            ptree=tptree,
+            graphdef=target.graphdef,
+            sampling=s,
+            eos=(),
         )
         tbox["v"] = v
         return v.n

@@ -152,10 +152,10 @@ def test_a_fault_in_either_worker_raises_and_the_engine_runs_again(worker, monke
     )
     if worker == "draft":
 
-        def bad_expand(dparams, s, *, draft, width, branch):
+        def bad_grow(*args, **kwargs):
             raise RuntimeError("injected fault in the draft")
 
-        monkeypatch.setattr(swiftspec, "draft_expand", bad_expand)
+        monkeypatch.setattr(swiftspec, "draft_grow", bad_grow)
     else:
         real = swiftspec.target_verify
 
@@ -198,3 +198,37 @@ def test_swiftspec_says_what_to_do_with_bad_layouts(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [jax.local_devices()[0]])
     with pytest.raises(DeviceError, match="method='tree'"):
         generate(target, ps, draft=target, method="swiftspec")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    import jaxspec
+    from jaxspec.default_model import default_checkpoint
+
+    return jaxspec.load(default_checkpoint(tmp_path_factory.mktemp("ck"), progress=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(1, 1), (3, 1)])  # SmolLM2: 9 heads, 3 kv heads
+def test_swiftspec_greedy_equals_autoregressive_on_real_smollm2(smollm2, layout):
+    from benchmarks.common import humaneval_prompts
+
+    prompts = [smollm2.tokenizer.encode(p)[-40:] for p in humaneval_prompts(2)]
+    ref = generate(smollm2, prompts, max_new_tokens=24).tokens
+    r = generate(
+        smollm2,
+        prompts,
+        draft="self-streaming",
+        method="swiftspec",
+        max_new_tokens=24,
+        target_devices=layout[0],
+        draft_devices=layout[1],
+        depth=2,
+        width=4,
+        branch=2,
+        bs=6,
+        budget=32,
+        sinks=4,
+    )
+    assert r.tokens == ref
+    assert r.stats["acceptance_length"] > 1.0
