@@ -79,22 +79,8 @@ class ModelDraft:
     reuse_target_cache: bool = False  # self-speculation: the prompt KV is the target's
 
     def init(self, params, pre: Prefill, first_token: Int[Array, " b"]) -> ModelDraftState:
-        b, width = pre.ids.shape
-        if self.reuse_target_cache:
-            dense = pre.target_cache
-        else:
-            from jaxspec.engines.common import prefill
-
-            dtype = jax.tree.leaves(params)[0].dtype
-            cache = init_cache(self.cfg, b, width, dtype)
-            _, dense = prefill(
-                self.graphdef, params, cache, pre.ids, pre.lens, vocab=self.cfg.vocab_size
-            )
-        cache = (
-            _gather_streaming(dense, pre.lens, self.sparse, room=pre.room)
-            if self.sparse is not None
-            else _resize(dense, pre.capacity)
-        )
+        b = pre.ids.shape[0]
+        cache = prompt_cache(self, params, pre, room=pre.room)
         pending = jnp.stack([first_token, jnp.zeros_like(first_token)], axis=1)
         return ModelDraftState(cache, pending, jnp.ones((b,), jnp.int32), pre.lens)
 
@@ -140,6 +126,25 @@ class ModelDraft:
             jnp.stack([next_token, jnp.zeros_like(next_token)], 1),
         )
         return ModelDraftState(cache, pending, 1 + full.astype(jnp.int32), s.seen + count)
+
+
+def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
+    """A model draft's cache holding the prompt: the target's own (self-speculation) or the
+    draft's prefill, then either the StreamingLLM selection (with ``room`` block slots after the
+    budget) or the dense cache padded to the engine's capacity."""
+    if draft.reuse_target_cache:
+        dense = pre.target_cache
+    else:
+        from jaxspec.engines.common import prefill
+
+        b, width = pre.ids.shape
+        cache = init_cache(draft.cfg, b, width, jax.tree.leaves(params)[0].dtype)
+        _, dense = prefill(
+            draft.graphdef, params, cache, pre.ids, pre.lens, vocab=draft.cfg.vocab_size
+        )
+    if draft.sparse is not None:
+        return _gather_streaming(dense, pre.lens, draft.sparse, room=room)
+    return _resize(dense, pre.capacity)
 
 
 def _resize(cache: KVCache, capacity: int) -> KVCache:

@@ -27,8 +27,8 @@ from jaxtyping import Array, Bool, Int
 from jaxspec import tree as T
 from jaxspec.acceptance import top_children
 from jaxspec.config import ModelConfig
-from jaxspec.drafts import NgramDraft, NgramState, Prefill, Streaming, _gather_streaming, _resize
-from jaxspec.kv_cache import Block, KVCache, commit, init_cache
+from jaxspec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
+from jaxspec.kv_cache import Block, KVCache, commit
 from jaxspec.model import apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling
@@ -55,21 +55,9 @@ class ModelTreeDraft:
     reuse_target_cache: bool = False
 
     def init(self, params, pre: Prefill, first_token) -> ModelTreeState:
-        b, width = pre.ids.shape
-        if self.reuse_target_cache:
-            dense = pre.target_cache
-        else:
-            from jaxspec.engines.common import prefill
-
-            dtype = jax.tree.leaves(params)[0].dtype
-            cache = init_cache(self.cfg, b, width, dtype)
-            _, dense = prefill(
-                self.graphdef, params, cache, pre.ids, pre.lens, vocab=self.cfg.vocab_size
-            )
-        if self.sparse is not None:
-            cache = _gather_streaming(dense, pre.lens, self.sparse, room=self.capacity + 1)
-        else:
-            cache = _resize(dense, pre.capacity)
+        b = pre.ids.shape[0]
+        # block room: every tree node, root included, owns a slot after the (sparse) prefix
+        cache = prompt_cache(self, params, pre, room=self.capacity + 1)
         n = self.capacity
         none = jnp.full((b,), T.NO_SLOT, jnp.int32)
         return ModelTreeState(

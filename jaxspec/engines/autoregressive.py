@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import Timer, compiled, is_eos, prefill
+from jaxspec.engines.common import execute, is_eos, prefill
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
 from jaxspec.pytree import pytree_dataclass
@@ -118,11 +118,11 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         eos=eos,
     )
     key = jax.random.key(seed)
-    exe, compile_s = compiled(decode, target.params, ids, lens, key, **static)
-    with Timer() as t:
-        out, count, steps = jax.block_until_ready(exe(target.params, ids, lens, key))
+    (out, count, steps), wall_s, compile_s = execute(
+        decode, target.params, ids, lens, key, **static
+    )
     stats = {
-        "wall_s": t.s,
+        "wall_s": wall_s,
         "compile_s": compile_s,
         "target_steps": int(steps) + 1,
         "draft_steps": 0,

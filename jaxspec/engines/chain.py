@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Int
 from jaxspec import drafts
 from jaxspec.acceptance import accept_chain
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import Timer, compiled, is_eos, prefill
+from jaxspec.engines.common import execute, is_eos, prefill, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
@@ -193,18 +193,13 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         eos=eos,
     )
     key = jax.random.key(seed)
-    exe, compile_s = compiled(decode, target.params, dparams, ids, lens, key, **static)
-    with Timer() as t:
-        out, count, steps, emitted, live = jax.block_until_ready(
-            exe(target.params, dparams, ids, lens, key)
-        )
-    acc = float(emitted.sum() / jnp.maximum(live.sum(), 1))
+    (out, count, steps, emitted, live), wall_s, compile_s = execute(
+        decode, target.params, dparams, ids, lens, key, **static
+    )
     stats = {
-        "wall_s": t.s,
-        "compile_s": compile_s,
-        "target_steps": int(steps) + 1,
-        "draft_steps": int(steps) * gamma,
-        "acceptance_length": acc,
+        **speculative_stats(
+            steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=gamma
+        ),
         "gamma": gamma,
     }
     return out, count, stats

@@ -117,3 +117,25 @@ def compiled(fn, *args, **static):
         _COMPILED.clear()
     _COMPILED[key] = exe
     return exe, t.s
+
+
+def execute(fn, *args, **static):
+    """Compile ``fn`` once per shapes (cached), run it, wait: (outputs, wall_s, compile_s)."""
+    exe, compile_s = compiled(fn, *args, **static)
+    with Timer() as t:
+        out = jax.block_until_ready(exe(*args))
+    return out, t.s, compile_s
+
+
+def speculative_stats(steps, emitted, live_steps, *, wall_s, compile_s, draft_per_step) -> dict:
+    """Stats of an on-device speculative loop: ``steps`` verifications after the prefill;
+    acceptance length = tokens produced per verification of a live row."""
+    return {
+        "wall_s": wall_s,
+        "compile_s": compile_s,
+        "target_steps": int(steps) + 1,
+        "draft_steps": int(steps) * draft_per_step,
+        "acceptance_length": float(
+            np.asarray(emitted).sum() / max(np.asarray(live_steps).sum(), 1)
+        ),
+    }

@@ -33,12 +33,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec import tree as T
 from jaxspec import tree_drafts
 from jaxspec.drafts import Prefill
-from jaxspec.engines.chain import emit
 from jaxspec.engines.common import Timer, compiled, is_eos, prefill
 from jaxspec.engines.options import positive_int, reject_unknown
-from jaxspec.engines.tree import TreeShape
+from jaxspec.engines.tree import TreeShape, verify_and_commit
 from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
-from jaxspec.kv_cache import KVCache, commit, init_cache
+from jaxspec.kv_cache import KVCache, init_cache
 from jaxspec.model import Model
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import sample
@@ -98,42 +97,28 @@ def target_verify(tflat, s: TargetState, snap: T.TreeBlock, key, *, ptree, graph
         slots=jnp.where(snap.valid, snap.block.slots + s.cache.length[:, None], T.NO_SLOT),
     )
     tb = dataclasses.replace(snap, block=block)
-    path, n, nxt, cache = _verify_block(
-        tparams, s.cache, tb, key, graphdef=graphdef, sampling=sampling
+    v = verify_and_commit(
+        tparams,
+        s.cache,
+        tb,
+        key,
+        s.out,
+        s.count,
+        s.done,
+        graphdef=graphdef,
+        sampling=sampling,
+        eos=eos,
     )
-    new = jnp.concatenate(
-        [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
-    )
-    new = jnp.where(jnp.arange(new.shape[1])[None, :] == n[:, None], nxt[:, None], new)
-    live = ~s.done
-    out, count, done, _ = emit(s.out, s.count, s.done, new, n + 1, eos)
-    src, cnt = T.verify_commit_src(cache.length, path, n)
-    cache = commit(cache, src, jnp.where(live, cnt, 0))
     s = TargetState(
-        cache,
-        out,
-        count,
-        done,
+        v.cache,
+        v.out,
+        v.count,
+        v.done,
         s.steps + 1,
-        s.emitted + jnp.where(live, n + 1, 0),
-        s.live_steps + live,
+        s.emitted + jnp.where(v.live, v.n + 1, 0),
+        s.live_steps + v.live,
     )
-    return s, Verdict(path, n, nxt, jnp.all(done))
-
-
-def _verify_block(tparams, cache, tb, key, *, graphdef, sampling):
-    from jaxspec.acceptance import accept_tree, accept_tree_greedy
-    from jaxspec.model import apply
-    from jaxspec.sampling import probs
-
-    logits, cache = apply(graphdef, tparams, tb.tokens, cache, tb.block)
-    if sampling.greedy:
-        path, n, nxt = accept_tree_greedy(
-            tb.tokens, tb.parent, tb.valid, jnp.argmax(logits, -1).astype(jnp.int32)
-        )
-    else:
-        path, n, nxt = accept_tree(key, tb.tokens, tb.parent, tb.valid, probs(logits, sampling))
-    return path, n, nxt, cache
+    return s, Verdict(v.path, v.n, v.next, jnp.all(v.done))
 
 
 # ---------------------------------------------------------------- draft worker (mesh B)

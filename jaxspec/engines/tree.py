@@ -16,7 +16,7 @@ from jaxspec import drafts, tree_drafts
 from jaxspec import tree as T
 from jaxspec.acceptance import accept_tree, accept_tree_greedy
 from jaxspec.engines.chain import emit
-from jaxspec.engines.common import Timer, compiled, is_eos, prefill
+from jaxspec.engines.common import execute, is_eos, prefill, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, commit, init_cache
 from jaxspec.model import apply
@@ -87,19 +87,53 @@ def init_state(
     )
 
 
-def verify(tparams, cache: KVCache, tree: T.Tree, key, *, graphdef, bs: int, sampling: Sampling):
-    """One target forward over the best ``bs`` nodes; returns the verify block, the accepted
-    block slots, their number, the next token and the cache with the block's K/V written."""
-    idx, cnt = T.select_subtree(tree, bs)
-    tb = T.verify_layout(tree, idx, cnt, cache.length, cache.length)
+@pytree_dataclass
+class Verified:
+    """A verify's outcome: accepted block slots, their number, the next token, and the target's
+    output bookkeeping with the root and the accepted path committed."""
+
+    path: Int[Array, "b m"]
+    n: Int[Array, " b"]
+    next: Int[Array, " b"]
+    cache: KVCache
+    out: Int[Array, "b o"]
+    count: Int[Array, " b"]
+    done: Bool[Array, " b"]
+    live: Bool[Array, " b"]  # rows that were live before this verify
+
+
+def verify_and_commit(
+    tparams,
+    cache: KVCache,
+    tb: T.TreeBlock,
+    key,
+    out,
+    count,
+    done,
+    *,
+    graphdef,
+    sampling: Sampling,
+    eos,
+) -> Verified:
+    """One target forward over the verify block ``tb``, the lossless tree rule (greedy: argmax
+    walk; sampling: ``accept_tree``), the emitted tokens appended to live rows (EOS and length
+    limits respected), and the root plus the accepted path committed to the target cache.
+    Shared by the serial tree engine and SwiftSpec's target worker."""
     logits, cache = apply(graphdef, tparams, tb.tokens, cache, tb.block)
     if sampling.greedy:
-        path, n, nxt = accept_tree_greedy(
-            tb.tokens, tb.parent, tb.valid, jnp.argmax(logits, -1).astype(jnp.int32)
-        )
+        target_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+        path, n, nxt = accept_tree_greedy(tb.tokens, tb.parent, tb.valid, target_tokens)
     else:
         path, n, nxt = accept_tree(key, tb.tokens, tb.parent, tb.valid, probs(logits, sampling))
-    return tb, path, n, nxt, cache
+    new = jnp.concatenate(
+        [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
+    )
+    new = jnp.where(jnp.arange(new.shape[1])[None, :] == n[:, None], nxt[:, None], new)
+    live = ~done
+    out, count, done, _ = emit(out, count, done, new, n + 1, eos)
+    src, cnt = T.verify_commit_src(cache.length, path, n)
+    cache = commit(cache, src, jnp.where(live, cnt, 0))
+    return Verified(path, n, nxt, cache, out, count, done, live)
 
 
 def step(tparams, dparams, s: State, *, graphdef, draft, shape: TreeShape, sampling, eos):
@@ -107,28 +141,24 @@ def step(tparams, dparams, s: State, *, graphdef, draft, shape: TreeShape, sampl
     dstate = draft.grow(
         dparams, s.draft, expansions=shape.depth, width=shape.width, branch=shape.branch
     )
-    tb, path, n, nxt, cache = verify(
-        tparams, s.cache, dstate.tree, k_verify, graphdef=graphdef, bs=shape.bs, sampling=sampling
+    idx, cnt = T.select_subtree(dstate.tree, shape.bs)
+    tb = T.verify_layout(dstate.tree, idx, cnt, s.cache.length, s.cache.length)
+    v = verify_and_commit(
+        tparams,
+        s.cache,
+        tb,
+        k_verify,
+        s.out,
+        s.count,
+        s.done,
+        graphdef=graphdef,
+        sampling=sampling,
+        eos=eos,
     )
-    new = jnp.concatenate(
-        [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
-    )
-    new = jnp.where(jnp.arange(new.shape[1])[None, :] == n[:, None], nxt[:, None], new)
-    live = ~s.done
-    out, count, done, _ = emit(s.out, s.count, s.done, new, n + 1, eos)
-    src, cnt = T.verify_commit_src(cache.length, path, n)
-    cache = commit(cache, src, jnp.where(live, cnt, 0))
-    dstate = draft.commit(dstate, tb, path, n, nxt)
+    dstate = draft.commit(dstate, tb, v.path, v.n, v.next)
+    emitted = s.emitted + jnp.where(v.live, v.n + 1, 0)
     return State(
-        cache,
-        out,
-        count,
-        done,
-        s.steps + 1,
-        s.emitted + jnp.where(live, n + 1, 0),
-        s.live_steps + live,
-        dstate,
-        key,
+        v.cache, v.out, v.count, v.done, s.steps + 1, emitted, s.live_steps + v.live, dstate, key
     )
 
 
@@ -202,18 +232,13 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         eos=eos,
     )
     key = jax.random.key(seed)
-    exe, compile_s = compiled(decode, target.params, dparams, ids, lens, key, **static)
-    with Timer() as t:
-        out, count, steps, emitted, live = jax.block_until_ready(
-            exe(target.params, dparams, ids, lens, key)
-        )
-    acc = float(emitted.sum() / jnp.maximum(live.sum(), 1))
+    (out, count, steps, emitted, live), wall_s, compile_s = execute(
+        decode, target.params, dparams, ids, lens, key, **static
+    )
     stats = {
-        "wall_s": t.s,
-        "compile_s": compile_s,
-        "target_steps": int(steps) + 1,
-        "draft_steps": int(steps) * shape.depth,
-        "acceptance_length": acc,
+        **speculative_stats(
+            steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=shape.depth
+        ),
         **dataclasses.asdict(shape),
     }
     return out, count, stats
