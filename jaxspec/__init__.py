@@ -2,6 +2,7 @@
 
 from jaxspec.config import ModelConfig
 from jaxspec.convert import convert, load
+from jaxspec.engines.common import GenerationResult
 from jaxspec.errors import (
     CheckpointError,
     DeviceError,
@@ -11,12 +12,14 @@ from jaxspec.errors import (
     PromptError,
     WorkerError,
 )
+from jaxspec.generate import generate
 from jaxspec.model import Model, new_model
 
 __all__ = [
     "CheckpointError",
     "DeviceError",
     "DraftError",
+    "GenerationResult",
     "JaxspecError",
     "Model",
     "ModelConfig",
@@ -24,6 +27,7 @@ __all__ = [
     "PromptError",
     "WorkerError",
     "convert",
+    "generate",
     "load",
     "new_model",
 ]

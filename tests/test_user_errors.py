@@ -129,3 +129,10 @@ def test_convert_and_load_errors_are_checkpoint_errors(tmp_path):
         jaxspec.load(tmp_path)
     with pytest.raises(CheckpointError):
         jaxspec.convert(tmp_path / "missing", tmp_path / "out")
+
+
+def test_the_public_api_is_importable_from_the_package(model):
+    r = jaxspec.generate(model, "w3 w4 w5", max_new_tokens=3)
+    assert isinstance(r, jaxspec.GenerationResult)
+    assert len(r.tokens[0]) <= 3 and isinstance(r.text[0], str)
+    assert r.stats["tokens_per_s"] > 0 and r.stats["acceptance_length"] == 1.0
