@@ -44,6 +44,7 @@ class ModelTreeState:
     catchup: Int[Array, " b"]  # token whose K/V the next grow must compute
     catchup_slot: Int[Array, " b"]  # where they go (NO_SLOT: none)
     carried: Int[Array, " b"]  # tree nodes kept across re-roots so far (their KV not recomputed)
+    recomputed: Int[Array, " b"]  # nodes run again although their K/V were already computed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +70,19 @@ class ModelTreeDraft:
             jnp.zeros((b,), jnp.int32),
             none,
             jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), jnp.int32),
         )
 
     def grow(self, params, s: ModelTreeState, *, expansions: int, width: int, branch: int):
         cache, tree, expanded, has_kv = s.cache, s.tree, s.expanded, s.has_kv
+        recomputed = s.recomputed
         b, n = expanded.shape
         for e in range(expansions):
             leaves = T.best_leaves(tree, width, expanded)
+            # run only leaves whose children fit: a node run without adding children would
+            # have to run again later (its K/V recomputed)
+            room = (tree.capacity - tree.size) // branch
+            leaves = jnp.where(jnp.arange(width)[None, :] < room[:, None], leaves, -1)
             tokens, block = T.expand_layout(tree, leaves, cache.length, s.seen)
             if e == 0:  # the catch-up query: sees the prefix (its own slot included)
                 tokens = jnp.concatenate([s.catchup[:, None], tokens], 1)
@@ -89,12 +96,21 @@ class ModelTreeDraft:
             child_tok, child_lp = top_children(logp, branch)
             tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
             ran = jnp.arange(n)[None, None, :] == leaves[:, :, None]  # [b, w, n]
+            recomputed = recomputed + jnp.sum(
+                jnp.any(ran, axis=1) & has_kv, axis=1, dtype=jnp.int32
+            )
             has_kv = has_kv | jnp.any(ran, axis=1)
             got_children = jnp.any(new_ids >= 0, axis=2)  # [b, w]
             expanded = expanded | jnp.any(ran & got_children[:, :, None], axis=1)
         none = jnp.full((b,), T.NO_SLOT, jnp.int32)
         return dataclasses.replace(
-            s, cache=cache, tree=tree, expanded=expanded, has_kv=has_kv, catchup_slot=none
+            s,
+            cache=cache,
+            tree=tree,
+            expanded=expanded,
+            has_kv=has_kv,
+            catchup_slot=none,
+            recomputed=recomputed,
         )
 
     def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> ModelTreeState:
@@ -144,7 +160,15 @@ class ModelTreeDraft:
             slot = sp.ring_slot(seen - 1)
         catchup_slot = jnp.where(need, slot, T.NO_SLOT).astype(jnp.int32)
         return ModelTreeState(
-            cache, tree, expanded, has_kv, seen, last_token, catchup_slot, s.carried + n_kept
+            cache,
+            tree,
+            expanded,
+            has_kv,
+            seen,
+            last_token,
+            catchup_slot,
+            s.carried + n_kept,
+            s.recomputed,
         )
 
 

@@ -43,6 +43,7 @@ def test_swiftspec_greedy_equals_autoregressive_on_every_layout(layout):
             )
             assert r.tokens == ref, (layout, seed)
             assert (r.stats["target_devices"], r.stats["draft_devices"]) == layout
+            assert r.stats["tokens_recomputed"] == 0
 
 
 def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes():
@@ -66,7 +67,7 @@ def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes()
     assert s["expansions_in_flight"] > 0
     assert s["draft_expansions"] >= s["verify_steps"] * 2
     # a chain-shaped tree deeper than bs: the bonus token is in the tree, its subtree survives
-    assert s["nodes_carried"] > 0
+    assert s["nodes_carried"] > 0 and s["tokens_recomputed"] == 0
     assert s["acceptance_length"] == pytest.approx(3.0)
 
 

@@ -381,7 +381,8 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     stats.update(
         wall_s=wall,
         target_steps=stats["verify_steps"] + 1,
-        nodes_carried=int(np.asarray(ds.carried).sum()) if hasattr(ds, "carried") else 0,
+        nodes_carried=int(np.asarray(ds.carried).sum()),
+        tokens_recomputed=int(np.asarray(ds.recomputed).sum()),
         draft_steps=stats["draft_expansions"],
         acceptance_length=float(np.asarray(ts.emitted).sum()) / live,
         profiled=dataclasses.asdict(profiled) if profiled else None,
