@@ -75,6 +75,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
+    b = sub.add_parser(
+        "bench",
+        help="run methods over a real prompt set; write JSON and print a table",
+        description="Runs each method over the prompts (one warm-up batch each, excluded) and "
+        "writes per-prompt and overall tokens/s, acceptance length, ms per token (mean, p50, "
+        "p95) and the measured time split, with device, jax version, commit and command.",
+    )
+    _add_model_args(b)
+    b.add_argument(
+        "--methods",
+        default="autoregressive,chain,tree",
+        help="comma-separated methods (default: autoregressive,chain,tree)",
+    )
+    b.add_argument(
+        "--draft",
+        default="ngram",
+        help="draft checkpoint folder, or self-streaming / ngram (default: ngram)",
+    )
+    b.add_argument("--dataset", default="humaneval", help="humaneval or file:PATH")
+    b.add_argument("--prompts", type=int, default=8, help="how many prompts (default 8)")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="method option, repeatable (e.g. --option gamma=4 --option depth=3)",
+    )
+    b.add_argument("--out", default=None, help="write the JSON here")
+
     pr = sub.add_parser(
         "profile",
         help="measure SwiftSpec's workers on every device split; pick the split and d",
@@ -169,6 +200,42 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import json
+    import pathlib
+
+    from jaxspec import bench, datasets
+    from jaxspec.errors import OptionError
+
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise OptionError(f"--option takes KEY=INT, got {item!r}.")
+        options[key] = int(value)
+    target = _load_target(args)
+    draft = _load_draft(args)
+    prompts, source = datasets.load(args.dataset, args.prompts)
+    result = bench.run(
+        target,
+        methods=[m for m in args.methods.split(",") if m],
+        draft=draft,
+        prompts=prompts,
+        source=source,
+        dataset=args.dataset,
+        max_new_tokens=args.max_new_tokens,
+        batch=args.batch,
+        options=options,
+    )
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    print(bench.table(result))
+    return 0
+
+
 def cmd_profile(args) -> int:
     from jaxspec import profiler
     from jaxspec.errors import OptionError
@@ -201,7 +268,12 @@ def cmd_profile(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": cmd_convert, "generate": cmd_generate, "profile": cmd_profile}
+COMMANDS = {
+    "convert": cmd_convert,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "profile": cmd_profile,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

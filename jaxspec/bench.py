@@ -1,0 +1,201 @@
+"""``jaxspec bench``: run methods over a real prompt set and write one JSON with per-prompt and
+overall figures, plus the run's device, jax version, commit and command.
+
+Per prompt: new tokens, wall seconds of its batch, ms per token, acceptance length. Overall per
+method: tokens/s (all new tokens over all wall time), acceptance length, ms per token (mean,
+p50, p95 over prompts), the time split the engine measures (compile; handoff for swiftspec) and
+the speedup over the first method. Compilation is excluded: each method runs one warm-up batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def metadata() -> dict:
+    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        commit += "-dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("JAXSPEC_COMMIT", "unknown")
+    dev = jax.devices()[0]
+    device = (
+        f"{dev.device_kind} x{jax.device_count()}"
+        if dev.platform != "cpu"
+        else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+    )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "jax": jax.__version__,
+        "commit": commit,
+        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def _taken(method: str) -> tuple[str, ...]:
+    """The options a method's engine takes."""
+    import importlib
+
+    return getattr(importlib.import_module(f"jaxspec.engines.{method}"), "OPTIONS", ())
+
+
+def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options, bar):
+    from jaxspec.generate import generate
+
+    options = {k: v for k, v in options.items() if k in _taken(method)}
+    kw = dict(
+        method=method,
+        draft=draft if method != "autoregressive" else None,
+        max_new_tokens=max_new,
+        **options,
+    )
+    first = generate(target, ids[:batch], **kw)  # compile (excluded)
+    rows, wall, new, accs, handoff = [], 0.0, 0, [], 0.0
+    for start in range(0, len(ids), batch):
+        chunk = ids[start : start + batch]
+        r = generate(target, chunk, **kw)
+        s = r.stats
+        wall += s["wall_s"]
+        new += s["new_tokens"]
+        accs.append(s["acceptance_length"])
+        handoff += s.get("handoff_s", 0.0)
+        for i, toks in enumerate(r.tokens):
+            rows.append(
+                {
+                    "prompt": start + i,
+                    "prompt_tokens": len(chunk[i]),
+                    "new_tokens": len(toks),
+                    "wall_s": round(s["wall_s"], 6),
+                    "ms_per_token": round(1e3 * s["wall_s"] / max(len(toks), 1), 4),
+                    "acceptance_length": round(s["acceptance_length"], 4),
+                }
+            )
+        if bar is not None:
+            bar.update(len(chunk))
+    lat = [r["ms_per_token"] for r in rows]
+    return {
+        "method": method,
+        "draft": draft if method != "autoregressive" else None,
+        "options": options,
+        "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
+        "acceptance_length": round(statistics.mean(accs), 4),
+        "ms_per_token": {
+            "mean": round(statistics.mean(lat), 4),
+            "p50": round(float(np.percentile(lat, 50)), 4),
+            "p95": round(float(np.percentile(lat, 95)), 4),
+        },
+        "time_split_s": {
+            "compile": round(first.stats["compile_s"], 3),
+            "run": round(wall, 6),
+            **({"handoff": round(handoff, 6)} if method == "swiftspec" else {}),
+        },
+        "new_tokens": new,
+        "per_prompt": rows,
+    }
+
+
+def run(
+    target,
+    *,
+    methods,
+    draft,
+    prompts,
+    source: str,
+    dataset: str,
+    max_new_tokens: int,
+    batch: int,
+    options: dict,
+    progress: bool = True,
+) -> dict:
+    """Run every method over the prompts; returns the JSON-ready result."""
+    from tqdm import tqdm
+
+    from jaxspec.errors import OptionError
+    from jaxspec.generate import METHODS
+    from jaxspec.prompts import encode_prompts
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise OptionError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}.")
+    if batch < 1:
+        raise OptionError(f"--batch must be positive, got {batch}.")
+    unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
+    if unused:
+        raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
+    ids = encode_prompts(list(prompts), target.tokenizer, target.config)
+    results = []
+    for method in methods:
+        bar = tqdm(
+            total=len(ids),
+            desc=f"bench {method}",
+            unit="prompt",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        results.append(
+            _method_rows(
+                target,
+                method,
+                draft,
+                prompts,
+                ids,
+                batch=batch,
+                max_new=max_new_tokens,
+                options=options,
+                bar=bar,
+            )
+        )
+        bar.close()
+    base = results[0]["tokens_per_s"]
+    for r in results:
+        r["speedup_vs_first"] = round(r["tokens_per_s"] / base, 4) if base else None
+    return {
+        **metadata(),
+        "model": target.name or "",
+        "dataset": dataset,
+        "source": source,
+        "prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "batch": batch,
+        "methods": results,
+    }
+
+
+def table(result: dict) -> str:
+    head = (
+        f"{'method':>15} {'draft':>15} {'tok/s':>9} {'accept':>7} {'ms/tok p50':>11} "
+        f"{'p95':>8} {'speedup':>8}"
+    )
+    lines = [head]
+    for r in result["methods"]:
+        lines.append(
+            f"{r['method']:>15} {str(r['draft'] or '-'):>15} {r['tokens_per_s']:>9.1f} "
+            f"{r['acceptance_length']:>7.2f} {r['ms_per_token']['p50']:>11.2f} "
+            f"{r['ms_per_token']['p95']:>8.2f} {r['speedup_vs_first']:>7.2f}x"
+        )
+    return "\n".join(lines)
