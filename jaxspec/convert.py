@@ -506,7 +506,46 @@ class _GGUFSource:
     def tokenizer(self):
         if "tokenizer.ggml.tokens" not in self.reader.fields:
             return None
-        return _load_tokenizer(str(self.path.parent), gguf_file=self.path.name)
+        try:
+            return self._tokenizer_without_torch()
+        except ImportError:  # another transformers layout: its own loader (needs torch)
+            return _load_tokenizer(str(self.path.parent), gguf_file=self.path.name)
+
+    def _tokenizer_without_torch(self):
+        """The tokenizer transformers builds from a GGUF, without its GGUF reader (which imports
+        torch): the metadata comes from the ``gguf`` package, the construction is transformers'
+        own ``convert_gguf_tokenizer``, so both spell the same tokenizer."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            _SPECIAL_TOKENS,
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        def grouped(group):
+            out = {}
+            for key, name in GGUF_TOKENIZER_MAPPING[group].items():
+                value = self._field(f"tokenizer.{key}")
+                if value is not None:
+                    out[name] = value
+            return out
+
+        tokenizer, config = grouped("tokenizer"), grouped("tokenizer_config")
+        if tokenizer.get("tokenizer_type") == "llama":
+            config.setdefault("add_bos_token", True)  # as transformers: older files lack it
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = self._field(f"tokenizer.ggml.{key}")
+            config[name] = tokenizer["tokens"][int(token_id)] if token_id is not None else None
+        try:
+            fast, extra = convert_gguf_tokenizer(self.arch, tokenizer)
+            return PreTrainedTokenizerFast(tokenizer_object=fast, **config, **extra)
+        except ImportError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"the tokenizer in {self.path} could not be built ({type(e).__name__}: {e}); "
+                "convert without it (tokenizer=False) and pass token ids."
+            ) from None
 
 
 def _hf_name(gguf_name: str) -> str | None:

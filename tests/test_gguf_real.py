@@ -84,3 +84,27 @@ def test_greedy_tokens_match_transformers(real):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([seq])).logits.numpy()[0, len(prompt) - 1 : -1]
     np.testing.assert_allclose(ours, ref, rtol=0, atol=ATOL)
+
+
+def test_tokenizer_built_without_torch_equals_transformers_gguf_tokenizer(real):
+    """jaxspec reads the GGUF's tokenizer metadata itself (transformers' reader imports torch,
+    which the main install lacks); it must encode exactly as transformers' own GGUF loader."""
+    from transformers import AutoTokenizer
+
+    model, _, _ = real
+    gguf = default_gguf_path()
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    texts = [
+        "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))",
+        "  leading spaces, tabs\tand\r\nnewlines  ",
+        "Ünïcödé — 日本語 🙂 ½",
+        "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+        "12345 1,000,000 3.14159 x**2",
+    ]
+    for text in texts:
+        assert model.tokenizer.encode(text) == ref.encode(text), text
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert model.tokenizer.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert len(model.tokenizer) == len(ref)
