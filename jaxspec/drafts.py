@@ -13,6 +13,8 @@ deterministic), which the lossless acceptance rule needs. Kinds:
   rotated at their *true* sequence positions and queries use true positions, so attention sees
   the exact relative distances of the kept tokens; slots ``[0, sinks)`` hold the first tokens and
   ``[sinks, budget)`` are a ring over the most recent ``window`` tokens.
+* ``ModelDraft(sparse=SnapKV(...))``: the same ring, but the fixed slots hold the prompt
+  positions SnapKV selects (jaxspec.snapkv); with the target's weights, ``"self-snapkv"``.
 * ``NgramDraft(n)``: prompt lookup: the tokens that followed the latest earlier occurrence of the
   last n-gram in the sequence (no model, deterministic).
 
@@ -61,6 +63,17 @@ class Streaming:
     def ring_slot(self, j):
         """Slot of the token at sequence index j (j < budget: itself; later: the ring)."""
         return jnp.where(j < self.budget, j, self.sinks + (j - self.sinks) % self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Streaming):
+    """SnapKV budget (jaxspec.snapkv): ``sinks`` slots hold the prompt positions the last ``obs``
+    prompt queries attend to most (per layer and KV head, pooled with a ``kernel``-wide ``pool``),
+    then the ``window`` most recent tokens follow in the Streaming ring."""
+
+    obs: int = 16
+    kernel: int = 5
+    pool: str = "max"
 
 
 @pytree_dataclass
@@ -141,6 +154,23 @@ def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
         cache = init_cache(draft.cfg, b, width, jax.tree.leaves(params)[0].dtype)
         _, dense = prefill(
             draft.graphdef, params, cache, pre.ids, pre.lens, vocab=draft.cfg.vocab_size
+        )
+    if isinstance(draft.sparse, SnapKV):
+        from jaxspec.snapkv import snapkv_cache
+
+        sp = draft.sparse
+        return snapkv_cache(
+            draft.graphdef,
+            params,
+            dense,
+            pre.ids,
+            pre.lens,
+            budget=sp.budget,
+            window=sp.window,
+            obs=sp.obs,
+            kernel=sp.kernel,
+            kind=sp.pool,
+            room=room,
         )
     if draft.sparse is not None:
         return _gather_streaming(dense, pre.lens, draft.sparse, room=room)
@@ -244,8 +274,26 @@ class NgramDraft:
 DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
 
 
-def resolve(target, draft, method: str, *, budget: int = 256, sinks: int = 4, ngram: int = 3):
-    """The user's ``draft=`` argument -> (draft object, its params), with clear errors."""
+def resolve(
+    target,
+    draft,
+    method: str,
+    *,
+    budget: int = 256,
+    sinks: int = 4,
+    ngram: int = 3,
+    window: int | None = None,
+    obs: int = 16,
+    pool: str = "max",
+    sparse: str | None = None,
+):
+    """The user's ``draft=`` argument -> (draft object, its params), with clear errors.
+
+    Sparse budgets: StreamingLLM keeps ``sinks`` first tokens plus a ring of ``window = budget -
+    sinks`` (a given ``window`` sets ``sinks = budget - window``); SnapKV keeps ``budget - window``
+    positions chosen by the last ``obs`` prompt queries plus a ring of ``window`` (default
+    ``max(16, budget // 4)``). ``sparse`` ("streaming" | "snapkv") gives a draft Model such a
+    cache; "self-streaming" / "self-snapkv" are the target itself with one."""
     from jaxspec.errors import DraftError, OptionError
     from jaxspec.model import Model
 
@@ -254,6 +302,8 @@ def resolve(target, draft, method: str, *, budget: int = 256, sinks: int = 4, ng
             f"method={method!r} needs a draft: pass a jaxspec.Model with the target's vocabulary, "
             f"or one of {', '.join(repr(k) for k in DRAFT_KINDS)}."
         )
+    if sparse not in (None, "streaming", "snapkv"):
+        raise OptionError(f"sparse must be 'streaming' or 'snapkv', got {sparse!r}.")
     if isinstance(draft, Model):
         if draft.config.vocab_size != target.config.vocab_size:
             raise DraftError(
@@ -265,14 +315,17 @@ def resolve(target, draft, method: str, *, budget: int = 256, sinks: int = 4, ng
                 "the draft's tokenizer differs from the target's; a draft must "
                 "share the target's tokenizer."
             )
-        return ModelDraft(draft.graphdef, draft.config), draft.params
-    if draft == "self-streaming":
-        if not (0 <= sinks < budget) or budget - sinks < 16:
-            raise OptionError(
-                f"self-streaming needs 0 <= sinks < budget with a window "
-                f"(budget - sinks) of at least 16; got budget={budget}, sinks={sinks}."
-            )
-        sp = Streaming(sinks=sinks, window=budget - sinks)
+        sp = None
+        if sparse is not None:
+            sp = _sparse_budget(sparse, budget, sinks, window, obs, pool)
+        return ModelDraft(draft.graphdef, draft.config, sp), draft.params
+    if sparse is not None:
+        raise OptionError(
+            f"sparse={sparse!r} applies to a draft Model; for self-speculation pass "
+            "draft='self-streaming' or draft='self-snapkv'."
+        )
+    if draft in ("self-streaming", "self-snapkv"):
+        sp = _sparse_budget(draft[5:], budget, sinks, window, obs, pool)
         return ModelDraft(
             target.graphdef, target.config, sp, reuse_target_cache=True
         ), target.params
@@ -280,15 +333,40 @@ def resolve(target, draft, method: str, *, budget: int = 256, sinks: int = 4, ng
         if not isinstance(ngram, int) or ngram < 1:
             raise OptionError(f"ngram must be a positive integer, got {ngram!r}.")
         return NgramDraft(n=ngram, vocab=target.config.vocab_size), None
-    if draft == "self-snapkv":
-        raise DraftError(
-            "'self-snapkv' drafts serve method='magicdec'; for chain and tree use "
-            "'self-streaming', 'ngram' or a draft model."
-        )
     raise DraftError(
         f"unknown draft {draft!r}: pass a jaxspec.Model or one of "
         f"{', '.join(repr(k) for k in DRAFT_KINDS)}."
     )
+
+
+def _sparse_budget(kind: str, budget, sinks, window, obs, pool) -> Streaming:
+    from jaxspec.errors import OptionError
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(budget) or (window is not None and not is_int(window)):
+        raise OptionError(f"budget and window must be integers, got {budget!r}, {window!r}.")
+    if kind == "streaming":
+        if window is not None:
+            sinks = budget - window
+        if not is_int(sinks) or not (0 <= sinks < budget) or budget - sinks < 16:
+            raise OptionError(
+                f"self-streaming needs 0 <= sinks < budget with a window "
+                f"(budget - sinks) of at least 16; got budget={budget}, sinks={sinks}."
+            )
+        return Streaming(sinks=sinks, window=budget - sinks)
+    window = max(16, budget // 4) if window is None else window
+    if not (16 <= window <= budget):
+        raise OptionError(
+            f"snapkv needs a recent window of at least 16 and at most the budget; got "
+            f"budget={budget}, window={window}."
+        )
+    if not is_int(obs) or obs < 1:
+        raise OptionError(f"obs must be a positive integer, got {obs!r}.")
+    if pool not in ("max", "avg"):
+        raise OptionError(f"pool must be 'max' or 'avg', got {pool!r}.")
+    return SnapKV(sinks=budget - window, window=window, obs=obs, pool=pool)
 
 
 def _tokenizers_differ(a, b) -> bool:

@@ -1,0 +1,322 @@
+"""MagicDec's cost model (arXiv 2408.11049, section 3): pick gamma for batched speculation.
+
+With acceptance rate alpha, one verification of gamma draft tokens yields on average
+Omega(gamma, alpha) = (1 - alpha^(gamma+1)) / (1 - alpha) tokens (gamma + 1 when alpha = 1), and
+costs gamma draft steps plus one verify of gamma + 1 tokens, so
+
+    T_SD / T_AR = (gamma * T_D / T_T + T_V(gamma) / T_T) / Omega(gamma, alpha)
+
+where T_T is one autoregressive target step, T_D one draft step and T_V(gamma) one target
+verify of gamma + 1 tokens (all at the same batch and context). ``choose_gamma`` minimises it.
+
+Inputs come from ``measure`` (this machine: the engines' own jitted pieces on random prompts of
+the batch and prefix; alpha from a short chain run) or from ``analytic_times`` (a machine not at
+hand: bytes and FLOPs per forward against its bandwidth and peak). Times are in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+
+
+def omega(gamma: int, alpha: float) -> float:
+    """Expected tokens per verification: (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def relative_time(gamma: int, alpha: float, t_d: float, t_t: float, t_v: float) -> float:
+    """T_SD / T_AR for one gamma (``t_v`` is T_V at this gamma)."""
+    return (gamma * t_d / t_t + t_v / t_t) / omega(gamma, alpha)
+
+
+def choose_gamma(
+    t_d: float,
+    t_t: float,
+    t_v: Callable[[int], float] | dict[int, float],
+    alpha: float,
+    gammas: Iterable[int] | None = None,
+) -> tuple[int, float]:
+    """The gamma with the smallest T_SD/T_AR and its predicted speedup T_AR/T_SD (ties: the
+    smaller gamma). ``gammas`` defaults to the dict's keys, else ``range(1, 9)``."""
+    if gammas is None:
+        gammas = sorted(t_v) if isinstance(t_v, dict) else range(1, 9)
+    tv = t_v.__getitem__ if isinstance(t_v, dict) else t_v
+    best = min(gammas, key=lambda g: (relative_time(g, alpha, t_d, t_t, tv(g)), g))
+    return best, 1.0 / relative_time(best, alpha, t_d, t_t, tv(best))
+
+
+def alpha_from_acceptance_length(length: float, gamma: int) -> float:
+    """The alpha whose Omega(gamma, alpha) equals a measured acceptance length (tokens per
+    verification), by bisection; clipped to [0, 1]."""
+    if length >= gamma + 1:
+        return 1.0
+    if length <= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if omega(gamma, mid) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# analytic estimate
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters a token multiplies through: every layer's projections and
+    the LM head)."""
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    proj = d * cfg.num_heads * hd * 2 + d * cfg.num_kv_heads * hd * 2 + 3 * d * f
+    head = cfg.vocab_size * d
+    total = head + cfg.num_layers * (proj + 2 * d) + d + (0 if cfg.tie_word_embeddings else head)
+    return total, cfg.num_layers * proj + head
+
+
+def forward_ms(
+    cfg: ModelConfig,
+    batch: int,
+    tokens: int,
+    kv_len: int,
+    *,
+    hbm_bytes_per_s: float,
+    flops_per_s: float,
+    dtype_bytes: int = 2,
+) -> float:
+    """One forward of ``tokens`` tokens per row over ``kv_len`` cached positions:
+    max(bytes / bandwidth, FLOPs / peak), bytes = all weights once + every layer's K and V
+    (``2 * layers * batch * kv_len * kv_heads * head_dim`` values), FLOPs = 2 per
+    multiply-accumulate of the projections and head plus ``4 * layers * batch * tokens * kv_len *
+    heads * head_dim`` for QK^T and PV."""
+    total, matmul = param_counts(cfg)
+    kv = 2 * cfg.num_layers * batch * kv_len * cfg.num_kv_heads * cfg.head_dim
+    nbytes = (total + kv) * dtype_bytes
+    flops = 2 * batch * tokens * matmul
+    flops += 4 * cfg.num_layers * batch * tokens * kv_len * cfg.num_heads * cfg.head_dim
+    return max(nbytes / hbm_bytes_per_s, flops / flops_per_s) * 1e3
+
+
+def analytic_times(
+    cfg: ModelConfig,
+    batch: int,
+    prefix: int,
+    budget: int,
+    gamma: int,
+    hbm_bytes_per_s: float,
+    flops_per_s: float,
+    *,
+    dtype_bytes: int = 2,
+    draft_cfg: ModelConfig | None = None,
+) -> dict[str, float]:
+    """Estimated T_T, T_D, T_V(gamma) in ms: the target over ``prefix`` cached positions (1 and
+    gamma + 1 tokens), the draft (``draft_cfg``, default the target itself: self-speculation)
+    over its ``budget`` positions (1 token)."""
+    hw = dict(hbm_bytes_per_s=hbm_bytes_per_s, flops_per_s=flops_per_s, dtype_bytes=dtype_bytes)
+    return {
+        "t_t": forward_ms(cfg, batch, 1, prefix, **hw),
+        "t_d": forward_ms(draft_cfg or cfg, batch, 1, min(budget, prefix), **hw),
+        "t_v": forward_ms(cfg, batch, gamma + 1, prefix, **hw),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    batch: int
+    prefix: int
+    t_t: float  # ms, one autoregressive target step
+    t_d: float  # ms, one draft step
+    t_v: dict[int, float]  # gamma -> ms, one verify of gamma + 1 tokens
+    alpha: float
+    alpha_gamma: int
+    acceptance_length: float
+
+    def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float]:
+        return choose_gamma(self.t_d, self.t_t, self.t_v, self.alpha, gammas or sorted(self.t_v))
+
+
+def _median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "gamma", "sampling"))
+def _verify(tparams, cache, token, x, q, key, *, graphdef, gamma, sampling):
+    """The chain engine's verify: the target over gamma + 1 tokens, then the acceptance rule."""
+    from jaxspec.acceptance import accept_chain
+    from jaxspec.kv_cache import causal_block
+    from jaxspec.model import apply
+    from jaxspec.sampling import probs
+
+    b = x.shape[0]
+    block = causal_block(
+        cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
+    )
+    logits, _ = apply(graphdef, tparams, jnp.concatenate([token[:, None], x], 1), cache, block)
+    return accept_chain(key, x, q, probs(logits, sampling))
+
+
+def measure(
+    target,
+    draft,
+    batch: int,
+    prefix: int,
+    gammas: Iterable[int] = range(1, 9),
+    *,
+    dparams=None,
+    ids=None,
+    lens=None,
+    alpha_gamma: int = 4,
+    alpha_tokens: int = 32,
+    reps: int = 5,
+    seed: int = 0,
+) -> Measurement:
+    """Time T_T, T_D and T_V(gamma) on random prompts of ``batch`` x ``prefix`` with the engines'
+    own pieces (autoregressive.step, the draft's propose, the chain verify), and alpha from a
+    short greedy chain run at ``alpha_gamma`` (on ``ids``/``lens`` when given, else on the
+    random prompts).
+
+    ``draft``: a resolved draft object with ``dparams``, or anything ``drafts.resolve`` takes."""
+    from jaxspec import drafts
+    from jaxspec.engines import autoregressive, chain
+    from jaxspec.engines.common import execute
+    from jaxspec.sampling import Sampling
+
+    if not hasattr(draft, "propose"):
+        draft, dparams = drafts.resolve(target, draft, "magicdec")
+    gammas = sorted(set(gammas))
+    cfg, graphdef, tparams = target.config, target.graphdef, target.params
+    greedy = Sampling(0.0, 1.0, 0)
+    rng = np.random.RandomState(seed)
+    rand_ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, prefix)), jnp.int32)
+    rand_lens = jnp.full((batch,), prefix, jnp.int32)
+    top = max(gammas)
+    capacity = prefix + top + 2
+    init = jax.jit(
+        chain.init_state,
+        static_argnames=(
+            "graphdef",
+            "cfg",
+            "draft",
+            "max_new",
+            "capacity",
+            "room",
+            "sampling",
+            "eos",
+        ),
+    )
+    s = init(
+        tparams,
+        dparams,
+        rand_ids,
+        rand_lens,
+        jax.random.key(seed),
+        graphdef=graphdef,
+        cfg=cfg,
+        draft=draft,
+        max_new=2,
+        capacity=capacity,
+        room=top + 2,
+        sampling=greedy,
+        eos=(),
+    )
+    key = jax.random.key(seed + 1)
+
+    # T_T: one autoregressive step
+    ar = autoregressive.State(
+        s.cache,
+        s.token,
+        jnp.zeros((batch, 2), jnp.int32),
+        jnp.ones((batch,), jnp.int32),
+        jnp.zeros((batch,), bool),
+        jnp.zeros((), jnp.int32),
+        key,
+    )
+    ar_step = jax.jit(autoregressive.step, static_argnames=("graphdef", "sampling", "eos"))
+    t_t = _median_ms(lambda: ar_step(graphdef, tparams, ar, sampling=greedy, eos=()).token, reps)
+
+    # T_D: one draft step (propose with gamma = 1 is exactly one draft forward)
+    propose = jax.jit(draft.propose, static_argnames=("gamma", "sampling"))
+    t_d = _median_ms(lambda: propose(dparams, s.draft, key, gamma=1, sampling=greedy)[0], reps)
+
+    # T_V(gamma): one verify of gamma + 1 tokens
+    t_v = {}
+    for g in gammas:
+        x = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, g)), jnp.int32)
+        q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
+        t_v[g] = _median_ms(
+            lambda x=x, q=q, g=g: _verify(
+                tparams, s.cache, s.token, x, q, key, graphdef=graphdef, gamma=g, sampling=greedy
+            )[0],
+            reps,
+        )
+
+    # alpha: a short greedy chain run
+    if ids is None:
+        ids, lens = rand_ids, rand_lens
+    (_, _, _, emitted, live), _, _ = execute(
+        chain.decode,
+        tparams,
+        dparams,
+        ids,
+        lens,
+        jax.random.key(seed),
+        graphdef=graphdef,
+        cfg=cfg,
+        draft=draft,
+        gamma=alpha_gamma,
+        max_new=alpha_tokens,
+        capacity=ids.shape[1] + alpha_tokens + alpha_gamma + 2,
+        sampling=greedy,
+        eos=(),
+    )
+    length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+    return Measurement(
+        batch=batch,
+        prefix=prefix,
+        t_t=t_t,
+        t_d=t_d,
+        t_v=t_v,
+        alpha=alpha_from_acceptance_length(length, alpha_gamma),
+        alpha_gamma=alpha_gamma,
+        acceptance_length=length,
+    )
+
+
+def prefix_bucket(length: int) -> int:
+    """Measurements are cached per power-of-two prefix bucket (at least 16)."""
+    return max(16, 1 << max(int(length) - 1, 0).bit_length())
+
+
+__all__ = [
+    "Measurement",
+    "alpha_from_acceptance_length",
+    "analytic_times",
+    "choose_gamma",
+    "forward_ms",
+    "measure",
+    "omega",
+    "param_counts",
+    "prefix_bucket",
+    "relative_time",
+]

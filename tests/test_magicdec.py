@@ -1,0 +1,284 @@
+"""MagicDec: sparse-KV drafts (SnapKV, StreamingLLM) against direct numpy selections, the cost
+model against hand-computed numbers, and the engine's greedy output against autoregressive
+decoding for ragged batches, prompts shorter and longer than the budget, and per-row EOS."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import cost_model, drafts, snapkv
+from jaxspec.config import ModelConfig
+from jaxspec.engines import magicdec
+from jaxspec.engines.common import pad_prompts, prefill
+from jaxspec.errors import DraftError, OptionError
+from jaxspec.generate import generate
+from jaxspec.kv_cache import KVCache, init_cache
+from tests import tiny
+
+NEW = 20
+BUDGET = 24  # snapkv: 8 selected + a ring of 16; streaming: 2 sinks + a ring of 22
+LENS8 = (60, 2, 33, 24, 25, 9, 47, 17)  # shorter than, equal to and longer than the budget
+
+
+# ------------------------------------------------------------------------------- selections
+
+
+def numpy_snapkv(q, k, lens, budget, window, kernel, kind):
+    """Direct SnapKV for one layer: (scores [b, kh, s], src [b, budget, kh], ok [b, budget])."""
+    b, o, h, hd = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = h // kh
+    sc = np.zeros((b, kh, s))
+    src = np.zeros((b, budget, kh), np.int64)
+    ok = np.zeros((b, budget), bool)
+    f = budget - window
+    for r in range(b):
+        length = int(lens[r])
+        n = min(o, length)
+        start = length - n
+        for t in range(n):
+            for head in range(h):
+                j = head // g
+                logit = k[r, : start + t + 1, j] @ q[r, t, head] / np.sqrt(hd)
+                w = np.exp(logit - logit.max())
+                sc[r, j, : start + t + 1] += w / w.sum()
+        if length <= budget:
+            src[r] = np.arange(budget)[:, None]
+            ok[r] = np.arange(budget) < length
+            continue
+        ok[r] = True
+        c = length - window
+        pad = kernel // 2
+        for j in range(kh):
+            pooled = np.array(
+                [
+                    (np.max if kind == "max" else lambda x: np.sum(x) / kernel)(
+                        sc[r, j, max(p - pad, 0) : min(p + pad + 1, c)]
+                    )
+                    for p in range(c)
+                ]
+            )
+            src[r, :f, j] = np.sort(np.argsort(-pooled, kind="stable")[:f])
+        for pos in range(length - window, length):
+            src[r, f + (pos - f) % window] = pos
+    return sc, src, ok
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_snapkv_selection_matches_numpy(kind):
+    rng = np.random.RandomState(0)
+    b, o, h, kh, hd, s = 4, 6, 4, 2, 8, 40
+    budget, window = 20, 8
+    q = rng.randn(b, o, h, hd).astype(np.float32)
+    k = rng.randn(b, s, kh, hd).astype(np.float32)
+    lens = np.array([40, 3, 20, 29])  # long, shorter than obs, == budget, long
+    sc = snapkv.scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lens))
+    cand = jnp.arange(s)[None, :] < jnp.asarray(lens - window)[:, None]
+    pooled = snapkv.pool(sc, cand, 5, kind)
+    src, ok = snapkv.select(pooled, jnp.asarray(lens), budget, window)
+    ref_sc, ref_src, ref_ok = numpy_snapkv(q, k, lens, budget, window, 5, kind)
+    np.testing.assert_allclose(np.asarray(sc), ref_sc, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ok), ref_ok)
+    np.testing.assert_array_equal(
+        np.where(ref_ok[..., None], np.asarray(src), 0), ref_src * ref_ok[..., None]
+    )
+    # KV heads keep different positions, and gather moves each head's own keys
+    assert (ref_src[0, :12, 0] != ref_src[0, :12, 1]).any()
+    dense = KVCache([jnp.asarray(k)], [jnp.asarray(-k)], jnp.asarray(lens, jnp.int32))
+    out = snapkv.gather(dense, [src], ok, room=3, budget=budget)
+    want = np.take_along_axis(k, ref_src[..., None], axis=1) * ref_ok[..., None, None]
+    np.testing.assert_array_equal(np.asarray(out.k[0][:, :budget]), want)
+    np.testing.assert_array_equal(np.asarray(out.v[0][:, :budget]), -want)
+    assert out.k[0].shape[1] == budget + 3
+    np.testing.assert_array_equal(np.asarray(out.length), np.minimum(lens, budget))
+
+
+def test_streaming_selection_matches_numpy():
+    rng = np.random.RandomState(1)
+    sp = drafts.Streaming(sinks=3, window=7)
+    lens = np.array([30, 4, 10, 11, 17])
+    k = rng.randn(5, 32, 2, 4).astype(np.float32)
+    dense = KVCache([jnp.asarray(k)], [jnp.asarray(2 * k)], jnp.asarray(lens, jnp.int32))
+    out = drafts._gather_streaming(dense, jnp.asarray(lens), sp, room=2)
+    want = np.zeros((5, 12, 2, 4), np.float32)
+    for r, n in enumerate(lens):
+        if n <= sp.budget:
+            want[r, :n] = k[r, :n]
+            continue
+        want[r, : sp.sinks] = k[r, : sp.sinks]
+        for j in range(n - sp.window, n):
+            want[r, sp.sinks + (j - sp.sinks) % sp.window] = k[r, j]
+    np.testing.assert_array_equal(np.asarray(out.k[0]), want)
+    np.testing.assert_array_equal(np.asarray(out.v[0]), 2 * want)
+    np.testing.assert_array_equal(np.asarray(out.length), np.minimum(lens, sp.budget))
+
+
+def test_snapkv_prompt_cache_on_a_model():
+    """Window queries re-run over the prompt cache equal a from-scratch forward's, and the
+    draft's cache holds exactly the numpy selection over them."""
+    target = tiny.model(3)
+    ps = tiny.prompts(3, lengths=(40, 5, 30))
+    ids, lens = pad_prompts(ps)
+    g = target.graphdef
+    cache = init_cache(target.config, 3, ids.shape[1])
+    dense = jax.jit(lambda p, c: prefill(g, p, c, ids, lens, vocab=67)[1])(target.params, cache)
+    queries = jax.jit(snapkv.window_queries, static_argnums=(0, 5))
+    qs = queries(g, target.params, dense, ids, lens, 6)
+    full = queries(g, target.params, dense, ids, lens, ids.shape[1])
+    for r, n in enumerate(np.asarray(lens)):
+        m = min(6, n)
+        for a, c in zip(qs, full, strict=True):
+            np.testing.assert_allclose(a[r, :m], c[r, n - m : n], rtol=1e-4, atol=1e-5)
+    sp = drafts.SnapKV(sinks=8, window=16, obs=6)
+    d = drafts.ModelDraft(g, target.config, sp, reuse_target_cache=True)
+    pre = drafts.Prefill(ids, lens, dense, ids.shape[1] + 10, 4)
+    got = jax.jit(lambda p, pre: drafts.prompt_cache(d, p, pre, room=4))(target.params, pre)
+    for layer, q in enumerate(qs):
+        k = np.asarray(dense.k[layer])
+        _, src, ok = numpy_snapkv(np.asarray(q), k, np.asarray(lens), 24, 16, 5, "max")
+        want = np.take_along_axis(k, src[..., None], axis=1) * ok[..., None, None]
+        np.testing.assert_array_equal(np.asarray(got.k[layer][:, :24]), want)
+
+
+# ------------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_hand_numbers():
+    assert cost_model.omega(3, 0.8) == pytest.approx((1 - 0.8**4) / 0.2) == pytest.approx(2.952)
+    assert cost_model.omega(3, 1.0) == 4.0
+    assert cost_model.omega(2, 0.0) == 1.0
+    # T_T = 10, T_D = 1, T_V(g) = 10 + g, alpha = 0.8: ratio(g) = (1 + 0.2 g) / Omega(g)
+    # g=3: 1.6 / 2.952 = 0.54201; g=4: 1.8 / 3.3616 = 0.53546 (best); g=5: 2.0 / 3.68928
+    assert cost_model.relative_time(3, 0.8, 1.0, 10.0, 13.0) == pytest.approx(1.6 / 2.952)
+    g, speedup = cost_model.choose_gamma(1.0, 10.0, lambda g: 10.0 + g, 0.8)
+    assert g == 4 and speedup == pytest.approx(3.3616 / 1.8)
+    g, speedup = cost_model.choose_gamma(1.0, 10.0, {1: 11.0, 2: 12.0, 3: 13.0}, 0.8)
+    assert g == 3 and speedup == pytest.approx(2.952 / 1.6)
+    # a draft as slow as the target never pays: gamma 1 at 1 / ((1 + 1.1) / 1.8)
+    assert cost_model.choose_gamma(10.0, 10.0, lambda g: 11.0, 0.8) == (1, pytest.approx(1.8 / 2.1))
+    assert cost_model.alpha_from_acceptance_length(2.952, 3) == pytest.approx(0.8, abs=1e-9)
+    assert cost_model.alpha_from_acceptance_length(4.0, 3) == 1.0
+    assert cost_model.alpha_from_acceptance_length(1.0, 3) == 0.0
+
+
+def test_analytic_times_hand_numbers():
+    cfg = ModelConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    # per layer: q,o 2*64*64 + k,v 2*64*32 + mlp 3*64*128 = 36864; head 64000
+    assert cost_model.param_counts(cfg) == (64000 + 2 * (36864 + 128) + 64 + 64000, 137728)
+    t = cost_model.analytic_times(cfg, 4, 1000, 100, 3, 1e9, 1e10)
+    # T_T: bytes (202048 + 2*2*4*1000*2*16) * 2 = 1428096 -> 1.428096 ms (FLOPs: 0.315 ms)
+    assert t["t_t"] == pytest.approx(1.428096)
+    # T_D: 100 cached positions: (202048 + 51200) * 2 bytes = 0.506496 ms
+    assert t["t_d"] == pytest.approx(0.506496)
+    # T_V(3): 4 tokens, still bandwidth-bound (FLOPs 12599296 -> 1.26 ms)
+    assert t["t_v"] == pytest.approx(1.428096)
+    # T_V(7): 8 tokens: 2*4*8*137728 + 4*2*4*8*1000*64 = 25198592 FLOPs -> 2.5198592 ms
+    t7 = cost_model.analytic_times(cfg, 4, 1000, 100, 7, 1e9, 1e10)
+    assert t7["t_v"] == pytest.approx(2.5198592)
+    small = dataclasses.replace(cfg, num_layers=1)
+    t_small = cost_model.analytic_times(cfg, 4, 1000, 100, 3, 1e9, 1e10, draft_cfg=small)
+    assert t_small["t_d"] < t["t_d"]
+
+
+# ------------------------------------------------------------------------------- engine
+
+
+def reference(target, ps):
+    return generate(target, ps, max_new_tokens=NEW).tokens
+
+
+def eos_target(seed, ps):
+    """The tiny target with an EOS that ends rows at different steps (some never)."""
+    base = tiny.model(seed)
+    ref = reference(base, ps)
+    counts = {}
+    for row in ref:
+        for i, t in enumerate(row):
+            counts.setdefault(t, set()).add(i)
+    eos = max(counts, key=lambda t: (len(counts[t]), -t))
+    return tiny.with_eos(base, eos)
+
+
+KINDS = {
+    "self-snapkv": lambda t: ("self-snapkv", {}),
+    "self-streaming": lambda t: ("self-streaming", {"sinks": 2}),
+    "model-snapkv": lambda t: (tiny.perturbed(t, 0.2, 7), {"sparse": "snapkv", "obs": 8}),
+    "model-streaming": lambda t: (tiny.perturbed(t, 0.2, 7), {"sparse": "streaming"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_magicdec_greedy_equals_autoregressive_ragged_eos(kind):
+    ps = tiny.prompts(0, lengths=LENS8)
+    target = eos_target(0, ps)
+    ref = reference(target, ps)
+    ends = sorted(len(r) for r in ref)
+    assert ends[0] < ends[-2] < NEW or ends[0] < ends[1] < NEW  # EOS at different steps
+    draft, opts = KINDS[kind](target)
+    r = generate(
+        target,
+        ps,
+        draft=draft,
+        method="magicdec",
+        gamma=3,
+        max_new_tokens=NEW,
+        budget=BUDGET,
+        **opts,
+    )
+    assert r.tokens == ref
+    assert r.stats["gamma"] == 3 and r.stats["budget"] == BUDGET
+    assert 1.0 < r.stats["acceptance_length"] <= 4.0
+    assert r.stats["alpha"] == pytest.approx(
+        cost_model.alpha_from_acceptance_length(r.stats["acceptance_length"], 3)
+    )
+
+
+@pytest.mark.parametrize("lengths", [(50,), (3, 41, 26, 11)])
+def test_magicdec_snapkv_batch_sizes(lengths):
+    for seed in range(3):
+        target, ps = tiny.model(seed), tiny.prompts(seed, lengths=lengths)
+        r = generate(
+            target, ps, draft="self-snapkv", method="magicdec", gamma=2, max_new_tokens=NEW,
+            budget=BUDGET, obs=4, pool="avg",
+        )  # fmt: skip
+        assert r.tokens == reference(target, ps), seed
+
+
+def test_magicdec_auto_gamma(monkeypatch):
+    monkeypatch.setattr(magicdec, "GAMMAS", (2, 3))
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    r = generate(target, ps, draft=target, sparse="dense", method="magicdec", max_new_tokens=NEW)
+    assert r.tokens == reference(target, ps)
+    assert r.stats["gamma"] in (2, 3)
+    cm = r.stats["cost_model"]
+    assert cm["alpha"] == 1.0  # the target is its own dense draft
+    assert set(cm["t_v_ms"]) == {2, 3} and cm["t_t_ms"] > 0 and cm["t_d_ms"] > 0
+    assert cm["prefix_bucket"] == 32
+    assert r.stats["predicted_speedup"] > 0
+
+
+def test_magicdec_user_errors():
+    target, ps = tiny.model(0), tiny.prompts(0)
+    run = dict(method="magicdec", max_new_tokens=4)
+    with pytest.raises(DraftError, match="chain"):
+        generate(target, ps, draft="ngram", **run)
+    with pytest.raises(OptionError, match="window"):
+        generate(target, ps, draft="self-snapkv", gamma=20, budget=BUDGET, **run)
+    with pytest.raises(OptionError, match="sparse"):
+        generate(target, ps, draft="self-snapkv", sparse="snapkv", **run)
+    with pytest.raises(OptionError, match="pool"):
+        generate(target, ps, draft="self-snapkv", pool="min", **run)
+    with pytest.raises(OptionError, match="does not take"):
+        generate(target, ps, draft="self-snapkv", depth=3, **run)
+    assert jax.devices()  # keeps the forced-devices conftest honest
