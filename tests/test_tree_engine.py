@@ -23,11 +23,17 @@ def test_tree_greedy_equals_autoregressive_random_and_partial_drafts():
             assert r.tokens == ref, seed
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self-streaming"])
+@pytest.mark.parametrize("kind", ["ngram", "self-streaming", "self-snapkv"])
 def test_tree_greedy_equals_autoregressive_builtin_drafts(kind):
-    opts = {"budget": 20, "sinks": 2} if kind == "self-streaming" else {}
+    # budgets below the longest prompts, so the sparse selections really drop tokens
+    opts = {
+        "ngram": {},
+        "self-streaming": {"budget": 20, "sinks": 2},
+        "self-snapkv": {"budget": 40},
+    }
+    opts = opts[kind]
     for seed in SEEDS:
-        target, ps = tiny.model(seed), tiny.prompts(seed, lengths=(29, 3, 11))
+        target, ps = tiny.model(seed), tiny.prompts(seed, lengths=(61, 3, 45))
         r = generate(target, ps, draft=kind, method="tree", max_new_tokens=NEW, **SHAPE, **opts)
         assert r.tokens == reference(target, ps), seed
 
