@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from collections.abc import Callable, Iterable
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.timing import median_ms
 
 
 def omega(gamma: int, alpha: float) -> float:
@@ -150,30 +149,12 @@ class Measurement:
         return choose_gamma(self.t_d, self.t_t, self.t_v, self.alpha, gammas or sorted(self.t_v))
 
 
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+def _verify(tparams, cache, token, x, q, key, *, graphdef, sampling):
+    """The chain engine's own verify, timed (the target over gamma + 1 tokens, then the rule)."""
+    from jaxspec.engines.chain import verify
 
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "gamma", "sampling"))
-def _verify(tparams, cache, token, x, q, key, *, graphdef, gamma, sampling):
-    """The chain engine's verify: the target over gamma + 1 tokens, then the acceptance rule."""
-    from jaxspec.acceptance import accept_chain
-    from jaxspec.kv_cache import causal_block
-    from jaxspec.model import apply
-    from jaxspec.sampling import probs
-
-    b = x.shape[0]
-    block = causal_block(
-        cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
-    )
-    logits, _ = apply(graphdef, tparams, jnp.concatenate([token[:, None], x], 1), cache, block)
-    return accept_chain(key, x, q, probs(logits, sampling))
+    return verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)[:2]
 
 
 def measure(
@@ -253,20 +234,20 @@ def measure(
         key,
     )
     ar_step = jax.jit(autoregressive.step, static_argnames=("graphdef", "sampling", "eos"))
-    t_t = _median_ms(lambda: ar_step(graphdef, tparams, ar, sampling=greedy, eos=()).token, reps)
+    t_t = median_ms(lambda: ar_step(graphdef, tparams, ar, sampling=greedy, eos=()).token, reps)
 
     # T_D: one draft step (propose with gamma = 1 is exactly one draft forward)
     propose = jax.jit(draft.propose, static_argnames=("gamma", "sampling"))
-    t_d = _median_ms(lambda: propose(dparams, s.draft, key, gamma=1, sampling=greedy)[0], reps)
+    t_d = median_ms(lambda: propose(dparams, s.draft, key, gamma=1, sampling=greedy)[0], reps)
 
     # T_V(gamma): one verify of gamma + 1 tokens
     t_v = {}
     for g in gammas:
         x = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, g)), jnp.int32)
         q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
-        t_v[g] = _median_ms(
-            lambda x=x, q=q, g=g: _verify(
-                tparams, s.cache, s.token, x, q, key, graphdef=graphdef, gamma=g, sampling=greedy
+        t_v[g] = median_ms(
+            lambda x=x, q=q: _verify(
+                tparams, s.cache, s.token, x, q, key, graphdef=graphdef, sampling=greedy
             )[0],
             reps,
         )

@@ -12,14 +12,13 @@ iteration time (acceptance is a property of the models, the same for every split
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.engines.common import pad_prompts
 from jaxspec.sampling import Sampling
+from jaxspec.timing import median_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +33,6 @@ class Profile:
     @property
     def iteration_ms(self) -> float:
         return max(self.t_verify_ms, self.d * self.t_draft_ms + self.handoff_ms)
-
-
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def measure(
@@ -97,7 +86,7 @@ def measure(
         box["ds"] = sw.draft_grow(dflat, box["ds"], **grow)
         return box["ds"].tree.size
 
-    t_draft = _median_ms(expand, reps)
+    t_draft = median_ms(expand, reps)
     snap = sw.draft_snapshot(box["ds"], bs=bs)
     snap_t = jax.device_put(snap, on_t)
     key = jax.device_put(jax.random.key(1), on_t)
@@ -117,8 +106,8 @@ def measure(
         tbox["v"] = v
         return v.n
 
-    t_verify = _median_ms(verify, reps)
-    handoff = _median_ms(lambda: jax.device_put(snap, on_t), reps) + _median_ms(
+    t_verify = median_ms(verify, reps)
+    handoff = median_ms(lambda: jax.device_put(snap, on_t), reps) + median_ms(
         lambda: jax.device_put(tbox["v"], on_d), reps
     )
     d = max(1, round((t_verify - handoff) / t_draft))

@@ -92,17 +92,24 @@ def emit(s_out, count, done, new_tokens, n_new, eos):
     return out, count, done, take
 
 
+def verify(tparams, cache: KVCache, token, x, q, key, *, graphdef, sampling):
+    """The target over ``[token, x_1..x_gamma]`` (gamma + 1 positions), then the lossless chain
+    rule: (accepted count, next token, cache with the block written, not yet committed)."""
+    b, gamma = x.shape
+    block = causal_block(
+        cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
+    )
+    logits, cache = apply(graphdef, tparams, jnp.concatenate([token[:, None], x], 1), cache, block)
+    n_acc, nxt = accept_chain(key, x, q, probs(logits, sampling))
+    return n_acc, nxt, cache
+
+
 def step(tparams, dparams, s: State, *, graphdef, draft, gamma: int, sampling, eos) -> State:
     key, k_draft, k_accept = jax.random.split(s.key, 3)
     x, q, dstate = draft.propose(dparams, s.draft, k_draft, gamma, sampling)
-    b = x.shape[0]
-    block = causal_block(
-        s.cache.length, s.cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
+    n_acc, nxt, cache = verify(
+        tparams, s.cache, s.token, x, q, k_accept, graphdef=graphdef, sampling=sampling
     )
-    logits, cache = apply(
-        graphdef, tparams, jnp.concatenate([s.token[:, None], x], 1), s.cache, block
-    )
-    n_acc, nxt = accept_chain(k_accept, x, q, probs(logits, sampling))
     new = jnp.concatenate([x, nxt[:, None]], 1)
     new = jnp.where(jnp.arange(gamma + 1)[None, :] == n_acc[:, None], nxt[:, None], new)
     live = ~s.done
