@@ -18,10 +18,14 @@ from jaxspec.convert import load
 from jaxspec.default_model import default_checkpoint
 from jaxspec.generate import generate
 
+# "first-N-layers": the target's first N layers with its final norm and head (jaxspec.model.
+# truncate): a separate small draft model that shares the tokenizer, with no training.
 CONFIGS = [
     ("autoregressive", None, {}),
+    ("chain", "first-10-layers", {"gamma": 3}),
     ("chain", "ngram", {"gamma": 4}),
     ("chain", "self-streaming", {"gamma": 4, "budget": 64, "sinks": 4}),
+    ("tree", "first-10-layers", {"depth": 3, "width": 4, "branch": 2, "bs": 8}),
     ("tree", "ngram", {"depth": 4}),
     (
         "tree",
@@ -31,7 +35,12 @@ CONFIGS = [
 ]
 
 
-def run(model, prompts, method, draft, opts, new):
+def run(model, prompts, method, draft_name, opts, new):
+    from jaxspec.model import truncate
+
+    draft = draft_name
+    if draft_name and draft_name.startswith("first-"):
+        draft = truncate(model, int(draft_name.split("-")[1]))
     ids = [model.tokenizer.encode(p) for p in prompts]
     generate(model, [ids[0]], method=method, draft=draft, max_new_tokens=new, **opts)  # compile
     rows, tokens, seconds, acc = [], 0, 0.0, []
@@ -52,7 +61,7 @@ def run(model, prompts, method, draft, opts, new):
         acc.append(s["acceptance_length"])
     return {
         "method": method,
-        "draft": draft or "-",
+        "draft": draft_name or "-",
         "options": opts,
         "tokens_per_s": round(tokens / seconds, 2),
         "acceptance_length_mean": round(statistics.mean(acc), 3),

@@ -209,3 +209,21 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
     """(graphdef, abstract params) without allocating weights: the template for loading."""
     module = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     return nnx.split(module)
+
+
+def truncate(model: Model, num_layers: int) -> Model:
+    """The first ``num_layers`` decoder layers of ``model`` with its final norm and head: a
+    small draft that shares the target's tokenizer and embeddings with no training (an early
+    exit, as in LayerSkip). The arrays are shared with ``model``, not copied."""
+    from jaxspec.errors import OptionError
+
+    if not (1 <= num_layers <= model.config.num_layers):
+        raise OptionError(
+            f"num_layers must be in [1, {model.config.num_layers}], got {num_layers}."
+        )
+    cfg = dataclasses.replace(model.config, num_layers=num_layers)
+    pure = nnx.to_pure_dict(model.params)
+    pure["layers"] = {i: pure["layers"][i] for i in range(num_layers)}
+    graphdef, state = abstract_model(cfg, model.dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    return Model(cfg, graphdef, state, model.tokenizer, name=f"{model.name}[:{num_layers}]")

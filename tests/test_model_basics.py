@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.kv_cache import causal_block, init_cache
 from jaxspec.model import apply, new_model
@@ -46,3 +47,17 @@ def test_chunked_prefill_and_decode_equal_full_forward(seed):
         pos += chunk
     for r in range(2):
         np.testing.assert_allclose(np.stack(got[r]), full[r], atol=1e-5)
+
+
+def test_truncate_keeps_the_first_layers_and_the_head():
+    from jaxspec.model import truncate
+
+    model = new_model(CFG, seed=4)
+    ids = np.random.RandomState(4).randint(0, CFG.vocab_size, (1, 9))
+    np.testing.assert_allclose(truncate(model, 2).logits(ids), model.logits(ids), atol=1e-6)
+    one = truncate(model, 1)
+    assert one.config.num_layers == 1 and len(one.params["layers"]) == 1
+    assert one.params["embed_tokens"].value is model.params["embed_tokens"].value  # shared
+    assert np.abs(np.asarray(one.logits(ids) - model.logits(ids))).max() > 1e-3
+    with pytest.raises(jaxspec.OptionError):
+        truncate(model, 0)
