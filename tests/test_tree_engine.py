@@ -39,7 +39,7 @@ def test_tree_greedy_equals_autoregressive_builtin_drafts(kind):
 
 
 def test_tree_target_as_own_draft_accepts_the_whole_path():
-    for seed in range(8):
+    for seed in SEEDS:
         target, ps = tiny.model(seed), tiny.prompts(seed)
         r = generate(
             target,
