@@ -1,0 +1,234 @@
+"""Decode and verify step times of model shapes against their HBM floor (random bf16 weights).
+
+One case = (shape, batch, context, block size T, tensor-parallel degree). A case times the
+project's own forward (``jaxspec.model.apply``: unrolled layers, the Pallas decode-attention kernel
+on GPU, in-place cache writes) inside one jitted ``lax.fori_loop`` of ``--steps`` steps with the
+cache donated, so the figure is the per-step cost with the loop on device, as the engines run it.
+The floor is the bytes a step must read (every weight except an untied input embedding, of which
+one row is read, plus the visible K/V) over ``--hbm-tbs`` (4.3 TB/s for an H200).
+
+XLA flags are read when jax starts, so flag variants are separate processes: see
+``benchmarks/gpu/decode.sh``. ``--label`` tags the rows of one process; rows are appended to the
+JSON (``--out``) as each case finishes, so a timeout keeps what was measured.
+
+    python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1,8b:1:4096:16 --out decode.json
+    python benchmarks/bench_decode_gpu.py --smoke      # tiny shapes, CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import metadata
+from jaxspec.config import ModelConfig
+from jaxspec.kv_cache import KVCache, causal_block, init_cache
+from jaxspec.model import apply, new_model
+from jaxspec.timing import median_ms
+
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+LLAMA32_1B = dataclasses.replace(
+    LLAMA3_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+SMOKE = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
+SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    shape: str
+    batch: int
+    context: int
+    t: int  # tokens per step: 1 = decode, k = a k-token verify block
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        parts = text.split(":")
+        shape, b, s, t = parts[:4]
+        tp = int(parts[4]) if len(parts) > 4 else 1
+        return cls(shape, int(b), int(s), int(t), tp)
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape}:{self.batch}:{self.context}:{self.t}:{self.tp}"
+
+
+def param_bytes(cfg: ModelConfig, params) -> int:
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if not cfg.tie_word_embeddings:  # the input embedding: one row per token is read
+        total -= cfg.vocab_size * cfg.hidden_size * jax.tree.leaves(params)[0].dtype.itemsize
+    return total
+
+
+def kv_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int) -> int:
+    return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def make_loop(graphdef, steps: int, t: int):
+    """A jitted loop of ``steps`` forwards of ``t`` tokens per row; each step's argmax feeds the
+    next (so steps cannot overlap) and the cache is donated (written in place)."""
+
+    def run(params, cache, tok):
+        def body(_, carry):
+            cache, tok = carry
+            b = tok.shape[0]
+            block = causal_block(cache.length, cache.length, jnp.full((b,), t, jnp.int32), t)
+            logits, cache = apply(graphdef, params, tok, cache, block)
+            cache = KVCache(k=cache.k, v=cache.v, length=cache.length + t)
+            return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, tok))
+
+    return jax.jit(run, donate_argnums=1)
+
+
+def kernel_count(exe_text: str) -> dict:
+    """Rough launch count of one compiled program: fusions, custom calls (cuBLAS, Pallas)."""
+    lines = exe_text.splitlines()
+    return {
+        "fusion_ops": sum(" fusion(" in ln for ln in lines),
+        "custom_calls": sum("custom-call(" in ln for ln in lines),
+    }
+
+
+def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
+    cfg = SHAPES[case.shape]
+    devices = jax.devices()[: case.tp]
+    model = new_model(cfg, seed=0, dtype=dtype)
+    params = model.params
+    cap = case.context + steps * case.t + 8
+    cache = init_cache(cfg, case.batch, cap, dtype)
+    cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((case.batch,), case.context, jnp.int32))
+    if case.tp > 1:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxspec import sharding
+        from jaxspec.engines.swiftspec import place
+
+        params, mesh = place(params, cfg, devices)
+        kv = NamedSharding(mesh, PartitionSpec(None, None, sharding.TP, None))
+        rep = NamedSharding(mesh, PartitionSpec())
+        cache = KVCache(
+            k=[jax.device_put(x, kv) for x in cache.k],
+            v=[jax.device_put(x, kv) for x in cache.v],
+            length=jax.device_put(cache.length, rep),
+        )
+    tok = jnp.zeros((case.batch, case.t), jnp.int32)
+    loop = make_loop(model.graphdef, steps, case.t)
+    t0 = time.perf_counter()
+    exe = loop.lower(params, cache, tok).compile()
+    compile_s = time.perf_counter() - t0
+    counts = kernel_count(exe.as_text())
+    state = {"cache": cache}
+
+    def once():
+        c, out = exe(params, state["cache"], tok)
+        # The loop advanced the lengths: rewind so every repetition reads the same context.
+        state["cache"] = KVCache(k=c.k, v=c.v, length=c.length - steps * case.t)
+        return out
+
+    ms = median_ms(once, reps) / steps
+    itemsize = jnp.dtype(dtype).itemsize
+    wbytes = param_bytes(cfg, params)
+    kbytes = kv_bytes(cfg, case.batch, case.context, itemsize)
+    floor = (wbytes + kbytes) / (hbm_tbs * 1e12) * 1e3
+    return {
+        "case": case.name,
+        **dataclasses.asdict(case),
+        "ms_per_step": round(ms, 4),
+        "floor_ms": round(floor, 4),
+        "floor_over_ms": round(floor / ms, 3),
+        "weight_gb": round(wbytes / 1e9, 3),
+        "kv_gb": round(kbytes / 1e9, 3),
+        "compile_s": round(compile_s, 1),
+        **counts,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--cases",
+        default="smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:8,8b:1:4096:16,"
+        "8b:64:4096:1",
+        help="shape:batch:context:T[:tp], comma separated (shapes: " + ", ".join(SHAPES) + ")",
+    )
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hbm-tbs", type=float, default=4.3)
+    ap.add_argument("--label", default=os.environ.get("JAXSPEC_LABEL", "default"))
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in float32 (CPU check)")
+    ap.add_argument("--out", default="benchmarks/results/decode_rows.json")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    cases = (
+        [Case("smoke", 1, 64, 1), Case("smoke", 2, 64, 4)]
+        if args.smoke
+        else [Case.parse(c) for c in args.cases.split(",") if c]
+    )
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    out = pathlib.Path(args.out)
+    payload = json.loads(out.read_text()) if out.is_file() else {**metadata(), "rows": []}
+    for case in cases:
+        if time.perf_counter() - start > args.budget_s:
+            print(f"budget spent: skipping {case.name}", flush=True)
+            continue
+        try:
+            row = run_case(case, args.steps, args.reps, args.hbm_tbs, dtype)
+        except Exception as e:  # a failed case is recorded, the others still run
+            row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row["label"] = args.label
+        row["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+        payload["rows"].append(row)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
