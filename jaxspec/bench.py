@@ -5,6 +5,12 @@ Per prompt: new tokens, wall seconds of its batch, ms per token, acceptance leng
 method: tokens/s (all new tokens over all wall time), acceptance length, ms per token (mean,
 p50, p95 over prompts), the time split the engine measures (compile; handoff for swiftspec) and
 the speedup over the first method. Compilation is excluded: each method runs one warm-up batch.
+
+Every method's tokens are compared with the reference (autoregressive when it runs, else the first
+method): ``tokens_match`` counts identical prompts, and each prompt says ``matches_reference`` and
+``first_diff``. ``peers`` (``hf``, ``hf-assisted``; see ``jaxspec.peers``) add HF transformers rows
+on the same weights and prompts, compared with the same reference (reported, never fatal: bf16
+arithmetic may differ).
 """
 
 from __future__ import annotations
@@ -64,6 +70,13 @@ def _taken(method: str) -> tuple[str, ...]:
     return getattr(importlib.import_module(f"jaxspec.engines.{method}"), "OPTIONS", ())
 
 
+def _draft_name(draft) -> str | None:
+    """A JSON-able name of the draft: its kind, or the checkpoint's name."""
+    if draft is None or isinstance(draft, str):
+        return draft
+    return getattr(draft, "name", None) or type(draft).__name__
+
+
 def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options, bar):
     from jaxspec.generate import generate
 
@@ -75,7 +88,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
         **options,
     )
     first = generate(target, ids[:batch], **kw)  # compile (excluded)
-    rows, wall, new, accs, handoff = [], 0.0, 0, [], 0.0
+    rows, wall, new, accs, handoff, tokens = [], 0.0, 0, [], 0.0, []
     for start in range(0, len(ids), batch):
         chunk = ids[start : start + batch]
         r = generate(target, chunk, **kw)
@@ -85,6 +98,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
         accs.append(s["acceptance_length"])
         handoff += s.get("handoff_s", 0.0)
         for i, toks in enumerate(r.tokens):
+            tokens.append(list(toks))
             rows.append(
                 {
                     "prompt": start + i,
@@ -100,7 +114,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
     lat = [r["ms_per_token"] for r in rows]
     return {
         "method": method,
-        "draft": draft if method != "autoregressive" else None,
+        "draft": _draft_name(draft) if method != "autoregressive" else None,
         "options": options,
         "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
         "acceptance_length": round(statistics.mean(accs), 4),
@@ -116,6 +130,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
         },
         "new_tokens": new,
         "per_prompt": rows,
+        "_tokens": tokens,
     }
 
 
@@ -132,17 +147,24 @@ def run(
     options: dict,
     progress: bool = True,
     chat: bool = False,
+    peers: tuple[str, ...] | list[str] = (),
 ) -> dict:
     """Run every method over the prompts; returns the JSON-ready result."""
     from tqdm import tqdm
 
     from jaxspec.errors import OptionError
     from jaxspec.generate import METHODS
+    from jaxspec.peers import PEERS, compare, run_peer
     from jaxspec.prompts import encode_prompts
 
+    if not methods:
+        raise OptionError(f"give at least one method among {', '.join(METHODS)}.")
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise OptionError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}.")
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise OptionError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}.")
     if batch < 1:
         raise OptionError(f"--batch must be positive, got {batch}.")
     unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
@@ -172,15 +194,50 @@ def run(
             )
         )
         bar.close()
+    ref_row = next((r for r in results if r["method"] == "autoregressive"), results[0])
+    reference = ref_row["_tokens"]
+    for r in results:
+        for row, toks in zip(r["per_prompt"], r["_tokens"], strict=True):
+            row.update(compare(toks, reference[row["prompt"]]))
+        r["tokens_match"] = sum(row["matches_reference"] for row in r["per_prompt"])
+    peer_cache: dict = {}
+    for name in peers:
+        bar = tqdm(
+            total=len(ids),
+            desc=f"bench {name}",
+            unit="prompt",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        results.append(
+            run_peer(
+                name,
+                target,
+                draft,
+                _draft_name(draft),
+                ids,
+                max_new=max_new_tokens,
+                gamma=int(options.get("gamma", 4)),
+                ngram=int(options.get("ngram", 3)),
+                reference=reference,
+                cache=peer_cache,
+                bar=bar,
+            )
+        )
+        bar.close()
+    peer_cache.clear()
     base = results[0]["tokens_per_s"]
     for r in results:
-        r["speedup_vs_first"] = round(r["tokens_per_s"] / base, 4) if base else None
+        r.pop("_tokens", None)
+        if r.get("tokens_per_s") is not None:
+            r["speedup_vs_first"] = round(r["tokens_per_s"] / base, 4) if base else None
     return {
         **metadata(),
         "model": target.name or "",
         "dataset": dataset,
         "source": source,
         "chat_template": chat,
+        "reference": ref_row["method"],
         "prompts": len(ids),
         "max_new_tokens": max_new_tokens,
         "batch": batch,
@@ -189,15 +246,22 @@ def run(
 
 
 def table(result: dict) -> str:
+    """One row per method and peer; ``same`` counts prompts whose tokens equal the reference's."""
     head = (
         f"{'method':>15} {'draft':>15} {'tok/s':>9} {'accept':>7} {'ms/tok p50':>11} "
-        f"{'p95':>8} {'speedup':>8}"
+        f"{'p95':>8} {'speedup':>8} {'same':>7}"
     )
     lines = [head]
+    n = result["prompts"]
     for r in result["methods"]:
+        draft = str(r.get("draft") or "-")[-15:]
+        if r.get("skipped"):
+            lines.append(f"{r['method']:>15} {draft:>15}   skipped: {r['skipped']}")
+            continue
+        same = f"{r['tokens_match']}/{n}" if "tokens_match" in r else "-"
         lines.append(
-            f"{r['method']:>15} {str(r['draft'] or '-'):>15} {r['tokens_per_s']:>9.1f} "
+            f"{r['method']:>15} {draft:>15} {r['tokens_per_s']:>9.1f} "
             f"{r['acceptance_length']:>7.2f} {r['ms_per_token']['p50']:>11.2f} "
-            f"{r['ms_per_token']['p95']:>8.2f} {r['speedup_vs_first']:>7.2f}x"
+            f"{r['ms_per_token']['p95']:>8.2f} {r['speedup_vs_first']:>7.2f}x {same:>7}"
         )
     return "\n".join(lines)

@@ -31,11 +31,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
-        default="autoregressive",
-        choices=("autoregressive", "chain", "tree", "swiftspec", "magicdec"),
+        default="auto",
+        choices=("auto", "autoregressive", "chain", "tree", "swiftspec", "magicdec"),
+        help="auto (default): chain with --draft when one is given, or with the shipped "
+        "distilled draft when the model is the embedded default; else autoregressive",
     )
     p.add_argument(
-        "--draft", default=None, help=f"draft checkpoint folder, or one of {', '.join(DRAFT_KINDS)}"
+        "--draft",
+        default=None,
+        help="draft checkpoint folder (converted model or `jaxspec distill` output), or one of "
+        f"{', '.join(DRAFT_KINDS)}",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -108,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=INT",
         help="method option, repeatable (e.g. --option gamma=4 --option depth=3)",
     )
+    b.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated HF transformers peers run in the same bench: hf (plain greedy "
+        "generate), hf-assisted (assisted generation with the same draft); default: none",
+    )
     b.add_argument("--out", default=None, help="write the JSON here")
 
     pr = sub.add_parser(
@@ -150,12 +161,31 @@ def _load_target(args):
     return load(path, dtype=_dtype(args.dtype))
 
 
-def _load_draft(args):
+def _load_draft(args, target):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
     from jaxspec.convert import load
+    from jaxspec.distill import is_draft_checkpoint, load_draft
 
+    if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
+        return load_draft(args.draft, target)
     return load(args.draft, dtype=_dtype(args.dtype))
+
+
+def _auto_method(args, target, draft):
+    """``--method auto``: chain with the given draft, or with the shipped distilled draft for
+    the embedded default model (when it is there and matches), else autoregressive."""
+    if args.method != "auto":
+        return args.method, draft
+    if draft is not None:
+        return "chain", draft
+    if args.model is None:
+        from jaxspec.distill import shipped_draft
+
+        shipped = shipped_draft(target)
+        if shipped is not None:
+            return "chain", shipped
+    return "autoregressive", None
 
 
 def _method_options(args) -> dict:
@@ -179,12 +209,12 @@ def cmd_generate(args) -> int:
     from jaxspec.generate import generate
 
     target = _load_target(args)
-    draft = _load_draft(args)
+    method, draft = _auto_method(args, target, _load_draft(args, target))
     result = generate(
         target,
         args.prompt,
         draft=draft,
-        method=args.method,
+        method=method,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -218,7 +248,7 @@ def cmd_bench(args) -> int:
             raise OptionError(f"--option takes KEY=INT, got {item!r}.")
         options[key] = int(value)
     target = _load_target(args)
-    draft = _load_draft(args)
+    draft = _load_draft(args, target)
     prompts, source = datasets.load(args.dataset, args.prompts)
     result = bench.run(
         target,
@@ -231,6 +261,7 @@ def cmd_bench(args) -> int:
         batch=args.batch,
         options=options,
         chat=datasets.chat_template(args.dataset),
+        peers=[p for p in args.peers.split(",") if p],
     )
     if args.out:
         path = pathlib.Path(args.out)
@@ -248,7 +279,7 @@ def cmd_profile(args) -> int:
     if args.prompt_tokens < 1:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
     target = _load_target(args)
-    draft = _load_draft(args)
+    draft = _load_draft(args, target)
     prompt = [int(target.config.bos_token_id or 1)] * args.prompt_tokens
     head = f"{'target':>6} {'draft':>5} {'verify ms':>10} {'expand ms':>10} {'handoff ms':>11} "
     head += f"{'d':>3} {'iteration ms':>13}"

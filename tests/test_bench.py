@@ -6,14 +6,21 @@ import json
 import pytest
 
 import jaxspec
-from jaxspec import cli
+from jaxspec import cli, datasets
+from jaxspec.prompts import encode_prompts
 from tests import hf_fixtures
+
+# wraps each user turn in marker words, so a test can see the template was applied
+TEMPLATE = "{% for m in messages %}w5 w6 {{ m['content'] }} w6 w5{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     src = tmp_path_factory.mktemp("hf")
-    hf_fixtures.save_hf_checkpoint("llama3.2", src, tokenizer=True)
+    hf_fixtures.save_hf_checkpoint("llama3.2", src)
+    tok = hf_fixtures.make_tokenizer()
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(src)
     return jaxspec.convert(
         src, tmp_path_factory.mktemp("ck") / "m", dtype="float32", progress=False
     )
@@ -81,6 +88,51 @@ def test_bench_writes_the_schema_and_prints_a_table(ckpt, tmp_path, capsys):
     assert [line.split()[0] for line in table[1:]] == ["autoregressive", "chain", "tree"]
 
 
+def test_bench_peers_and_the_chat_set(ckpt, tmp_path, capsys):
+    """HF peers on the same weights (plain, and assisted with the same draft checkpoint) give
+    the reference's tokens in float32; the chat set is encoded with the chat template."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(ckpt), "--methods", "autoregressive,chain"]
+    argv += ["--draft", str(ckpt), "--dataset", "chat", "--prompts", "2"]
+    argv += ["--max-new-tokens", "5", "--option", "gamma=2", "--peers", "hf,hf-assisted"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["dataset"] == "chat" and "MT-Bench" in r["source"] and r["chat_template"] is True
+    assert r["reference"] == "autoregressive"
+    assert [m["method"] for m in r["methods"]] == ["autoregressive", "chain", "hf", "hf-assisted"]
+    m = jaxspec.load(ckpt)
+    want = encode_prompts(datasets.chat(2), m.tokenizer, m.config, chat=True)
+    plain = encode_prompts(datasets.chat(2), m.tokenizer, m.config)
+    assert [w[:2] for w in want] == [[5, 6], [5, 6]] and want != plain
+    ref = jaxspec.generate(m, want, max_new_tokens=5).tokens
+    for row in r["methods"]:
+        assert row["tokens_match"] == 2, row["method"]
+        assert [p["prompt_tokens"] for p in row["per_prompt"]] == [len(w) for w in want]
+        assert [p["new_tokens"] for p in row["per_prompt"]] == [len(t) for t in ref]
+        assert all(p["matches_reference"] and p["first_diff"] is None for p in row["per_prompt"])
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_first"] > 0
+    hf, assisted = r["methods"][2:]
+    assert hf["peer"] and hf["device"] == "cpu" and hf["dtype"] == "float32"
+    assert hf["acceptance_length"] == 1.0 and hf["draft"] is None
+    assert assisted["draft"] == ckpt.name and assisted["options"] == {"gamma": 2}
+    # the draft is the target itself: every drafted token is accepted, up to gamma + 1
+    assert assisted["acceptance_length"] > 1.0
+    assert {"warmup", "run"} <= set(hf["time_split_s"])
+    table = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in table[1:]] == [m["method"] for m in r["methods"]]
+    assert all(line.split()[-1] == "2/2" for line in table[1:])
+
+
+def test_bench_peer_without_an_hf_counterpart_is_skipped_not_fatal(ckpt, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(ckpt), "--methods", "autoregressive", "--prompts", "1"]
+    argv += ["--draft", "self-streaming", "--max-new-tokens", "3", "--peers", "hf-assisted"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    peer = json.loads(out.read_text())["methods"][1]
+    assert peer["method"] == "hf-assisted" and "self-streaming" in peer["skipped"]
+    assert "skipped" in capsys.readouterr().out
+
+
 def jax_version():
     import jax
 
@@ -94,6 +146,8 @@ def jax_version():
         (["--dataset", "squad"], "unknown dataset"),
         (["--option", "gamma=x"], "KEY=INT"),
         (["--batch", "0"], "--batch"),
+        (["--peers", "vllm"], "unknown peer"),
+        (["--methods", ","], "at least one method"),
         (["--option", "beams=2"], "takes beams"),
     ],
 )
