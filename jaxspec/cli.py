@@ -31,16 +31,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
-        default="auto",
-        choices=("auto", "autoregressive", "chain", "tree", "swiftspec", "magicdec"),
-        help="auto (default): chain with --draft when one is given, or with the shipped "
-        "distilled draft when the model is the embedded default; else autoregressive",
+        default="autoregressive",
+        choices=("autoregressive", "chain", "tree", "swiftspec", "magicdec"),
     )
     p.add_argument(
-        "--draft",
-        default=None,
-        help="draft checkpoint folder (converted model or `jaxspec distill` output), or one of "
-        f"{', '.join(DRAFT_KINDS)}",
+        "--draft", default=None, help=f"draft checkpoint folder, or one of {', '.join(DRAFT_KINDS)}"
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -161,31 +156,12 @@ def _load_target(args):
     return load(path, dtype=_dtype(args.dtype))
 
 
-def _load_draft(args, target):
+def _load_draft(args):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
     from jaxspec.convert import load
-    from jaxspec.distill import is_draft_checkpoint, load_draft
 
-    if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
-        return load_draft(args.draft, target)
     return load(args.draft, dtype=_dtype(args.dtype))
-
-
-def _auto_method(args, target, draft):
-    """``--method auto``: chain with the given draft, or with the shipped distilled draft for
-    the embedded default model (when it is there and matches), else autoregressive."""
-    if args.method != "auto":
-        return args.method, draft
-    if draft is not None:
-        return "chain", draft
-    if args.model is None:
-        from jaxspec.distill import shipped_draft
-
-        shipped = shipped_draft(target)
-        if shipped is not None:
-            return "chain", shipped
-    return "autoregressive", None
 
 
 def _method_options(args) -> dict:
@@ -209,12 +185,12 @@ def cmd_generate(args) -> int:
     from jaxspec.generate import generate
 
     target = _load_target(args)
-    method, draft = _auto_method(args, target, _load_draft(args, target))
+    draft = _load_draft(args)
     result = generate(
         target,
         args.prompt,
         draft=draft,
-        method=method,
+        method=args.method,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -248,7 +224,7 @@ def cmd_bench(args) -> int:
             raise OptionError(f"--option takes KEY=INT, got {item!r}.")
         options[key] = int(value)
     target = _load_target(args)
-    draft = _load_draft(args, target)
+    draft = _load_draft(args)
     prompts, source = datasets.load(args.dataset, args.prompts)
     result = bench.run(
         target,
@@ -279,7 +255,7 @@ def cmd_profile(args) -> int:
     if args.prompt_tokens < 1:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
     target = _load_target(args)
-    draft = _load_draft(args, target)
+    draft = _load_draft(args)
     prompt = [int(target.config.bos_token_id or 1)] * args.prompt_tokens
     head = f"{'target':>6} {'draft':>5} {'verify ms':>10} {'expand ms':>10} {'handoff ms':>11} "
     head += f"{'d':>3} {'iteration ms':>13}"
