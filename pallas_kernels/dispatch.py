@@ -12,13 +12,22 @@
   ``"reference"``.
 
 Everything is decided from static shapes and dtypes, so it works under ``jax.jit``.
+
+Under tensor parallelism (q heads and K/V heads split over a mesh axis, as ``jaxspec.sharding``
+lays them out) the Pallas kernel runs once per device on its local heads: it is wrapped in
+``custom_partitioning`` with a Shardy rule saying the batch and head dimensions pass through
+and the rest stay whole. Without the rule the partitioner cannot see into the kernel and
+gathers every device's K/V cache at every layer.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.attention import attend
@@ -58,4 +67,49 @@ def attention(
             f"impl='pallas' needs a GPU backend (have {jax.default_backend()!r}); "
             "use 'pallas_interpret' or 'auto'"
         )
-    return decode_attention(q, k, v, length, block_mask, interpret=chosen == "pallas_interpret")
+    return _partitioned_kernel(q, k, v, length, block_mask, chosen == "pallas_interpret")
+
+
+def _kernel(q, k, v, length, block_mask, interpret):
+    return decode_attention(q, k, v, length, block_mask, interpret=interpret)
+
+
+_partitioned_kernel = custom_partitioning(_kernel, static_argnums=(5,))
+
+
+def _shardings(mesh, arg_shapes):
+    """(q/out, k/v, length, mask) shardings: batch and heads as K/V are split, the rest whole."""
+    spec = tuple(arg_shapes[1].sharding.spec) + (None,) * 4
+    b_ax, h_ax = spec[0], spec[2]
+    heads = NamedSharding(mesh, PartitionSpec(b_ax, None, h_ax, None))
+    return (
+        heads,
+        heads,
+        NamedSharding(mesh, PartitionSpec(b_ax)),
+        NamedSharding(mesh, PartitionSpec(b_ax, None, None)),
+    )
+
+
+def _partition(interpret, mesh, arg_shapes, result_shape):
+    qs, kvs, ls, ms = _shardings(mesh, arg_shapes)
+    return mesh, functools.partial(_kernel, interpret=interpret), qs, (qs, kvs, kvs, ls, ms)
+
+
+def _infer(interpret, mesh, arg_shapes, result_shape):
+    return _shardings(mesh, arg_shapes)[0]
+
+
+def _rule(interpret, mesh, value_types, result_types):
+    from jax.interpreters.mlir import ir
+
+    h, kh = (
+        ir.RankedTensorType(value_types[0]).shape[2],
+        ir.RankedTensorType(value_types[1]).shape[2],
+    )
+    rule = "b t (kh g) d, b s kh d, b s kh d, b, b t n -> b t (kh g) d"
+    return rule, {"g": h // kh, "need_replication_factors": ("t", "g", "d", "s", "n")}
+
+
+_partitioned_kernel.def_partition(
+    partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule
+)
