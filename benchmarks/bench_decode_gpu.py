@@ -127,12 +127,30 @@ def make_loop(graphdef, steps: int, t: int):
 
 
 def kernel_count(exe_text: str) -> dict:
-    """Rough launch count of one compiled program: fusions, custom calls (cuBLAS, Pallas)."""
-    lines = exe_text.splitlines()
-    return {
-        "fusion_ops": sum(" fusion(" in ln for ln in lines),
-        "custom_calls": sum("custom-call(" in ln for ln in lines),
-    }
+    """Rough launch census of one compiled program: fusions by kind (Triton GEMM fusions apart),
+    custom calls by target (cuBLAS, Pallas/Triton kernels), collectives."""
+    import re
+
+    counts: dict = {}
+    for ln in exe_text.splitlines():
+        if " fusion(" in ln:
+            m = re.search(r"kind=(k\w+)", ln)
+            kind = m.group(1) if m else "k?"
+            if "__triton_gemm" in ln or "triton_gemm" in ln:
+                kind = "triton_gemm"
+            elif "__cublas" in ln:
+                kind = "cublas_fusion"
+            counts[f"fusion_{kind}"] = counts.get(f"fusion_{kind}", 0) + 1
+        elif "custom-call(" in ln:
+            m = re.search(r'custom_call_target="([^"]+)"', ln)
+            key = "cc_" + (m.group(1) if m else "?")
+            counts[key] = counts.get(key, 0) + 1
+        for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+            if f" {op}(" in ln or f" {op}-start(" in ln:
+                counts[op] = counts.get(op, 0) + 1
+    counts["fusion_ops"] = sum(v for k, v in counts.items() if k.startswith("fusion_"))
+    counts["custom_calls"] = sum(v for k, v in counts.items() if k.startswith("cc_"))
+    return counts
 
 
 def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
