@@ -1,0 +1,181 @@
+"""benchmarks/RESULTS.md is generated from the JSONs and notes (so it cannot drift from them),
+every layout gets a section, and the plots are drawn from the JSONs."""
+
+import json
+
+import pytest
+
+from benchmarks import make_results, plots
+
+
+def test_committed_results_page_is_the_generators_output():
+    text = make_results.render()
+    assert make_results.OUT.read_text() == text, (
+        "benchmarks/RESULTS.md is out of date: run python benchmarks/make_results.py"
+    )
+    for name, png in make_results.planned_plots():
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", (name, png)
+        assert f"(plots/{png.name})" in text
+    # every result file has its section, and every section says where its numbers come from
+    for path in make_results.RESULTS.glob("*.json"):
+        assert f"`results/{path.name}` · " in text, path.name
+    assert text.count("\nCommand: `") == text.count("\n## ")
+
+
+def test_every_hand_written_note_is_on_the_page():
+    text = make_results.OUT.read_text()
+    for path in make_results.NOTES.glob("*.md"):
+        _, body = make_results.front_matter(path.read_text())
+        assert body in text, path.name
+
+
+BENCH = {
+    "date": "2026-12-01",
+    "device": "CPU (2 cores, x86_64)",
+    "jax": "0.11.2",
+    "commit": "abc1234",
+    "command": "jaxspec bench --peers hf,hf-assisted",
+    "model": "tiny",
+    "dataset": "humaneval",
+    "source": "HumanEval, MIT licence",
+    "chat_template": False,
+    "reference": "autoregressive",
+    "prompts": 2,
+    "max_new_tokens": 8,
+    "batch": 1,
+    "methods": [
+        {
+            "method": "autoregressive",
+            "draft": None,
+            "options": {},
+            "tokens_per_s": 20.0,
+            "acceptance_length": 1.0,
+            "ms_per_token": {"mean": 50.0, "p50": 50.0, "p95": 51.0},
+            "tokens_match": 2,
+            "speedup_vs_first": 1.0,
+            "per_prompt": [{"prompt": 0, "acceptance_length": 1.0}] * 2,
+        },
+        {
+            "method": "chain",
+            "draft": "ngram",
+            "options": {"gamma": 4},
+            "tokens_per_s": 31.5,
+            "acceptance_length": 2.5,
+            "ms_per_token": {"mean": 31.0, "p50": 30.0, "p95": 40.0},
+            "tokens_match": 2,
+            "speedup_vs_first": 1.575,
+            "per_prompt": [{"acceptance_length": 2.0}, {"acceptance_length": 3.0}],
+        },
+        {
+            "method": "hf",
+            "peer": True,
+            "draft": None,
+            "options": {},
+            "device": "cpu",
+            "dtype": "float32",
+            "tokens_per_s": 12.25,
+            "acceptance_length": 1.0,
+            "ms_per_token": {"mean": 80.0, "p50": 80.0, "p95": 90.0},
+            "tokens_match": 1,
+            "speedup_vs_first": 0.6125,
+            "per_prompt": [{"acceptance_length": 1.0}] * 2,
+        },
+        {"method": "hf-assisted", "peer": True, "draft": "x", "skipped": "no HF counterpart"},
+    ],
+}
+MAGICDEC = {
+    "date": "2026-12-01",
+    "device": "NVIDIA H200",
+    "jax": "0.11.2",
+    "commit": "def5678",
+    "command": "python3 benchmarks/bench_magicdec.py",
+    "rows": [
+        {"batch": b, "prefix": p, "draft": "self-snapkv", "gamma": g, "alpha": 0.8, "speedup": s}
+        for b, p, g, s in [
+            (1, 2048, 2, 0.9),
+            (8, 2048, 2, 1.1),
+            (8, 2048, 3, 1.25),
+            (1, 4096, 2, 1.0),
+        ]
+    ],
+}
+UNKNOWN = {"device": "NVIDIA H200", "ms_per_token": 4.125, "nested": {"a": 1, "b": [1, 2]}}
+
+
+@pytest.fixture
+def folders(tmp_path, monkeypatch):
+    for name in ("results", "notes", "plots"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(make_results, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(make_results, "NOTES", tmp_path / "notes")
+    monkeypatch.setattr(make_results, "PLOTS", tmp_path / "plots")
+    monkeypatch.setattr(make_results, "OUT", tmp_path / "RESULTS.md")
+    return tmp_path
+
+
+def test_sections_for_each_layout_in_page_order(folders):
+    res, notes = folders / "results", folders / "notes"
+    (res / "bench_cpu.json").write_text(json.dumps(BENCH))
+    (res / "magicdec.json").write_text(json.dumps(MAGICDEC))
+    (res / "zz_new.json").write_text(json.dumps(UNKNOWN))
+    (res / "old_run.log").write_text("a log\n")
+    (notes / "_intro.md").write_text("Intro prose.\n")
+    (notes / "zz_new.md").write_text(
+        "---\ntitle: A new result\ncommit: 9999999\ndevice: ignored\n---\nWhat it means.\n"
+    )
+    (notes / "old_run.md").write_text("---\ntitle: Only a log\n---\nThe log said 3.\n")
+    text = make_results.render()
+    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert heads == [
+        "## `jaxspec bench` with HF peers, CPU",
+        "## MagicDec: batched long-context speculation, one H200",
+        "## Only a log",
+        "## A new result",
+    ]
+    assert text.startswith("# Results\n") and "Intro prose." in text
+    # bench: one row per method and peer, token match, skipped peer, setup line, plots
+    assert "| chain | ngram | gamma 4 | 31.5 | 2.5 | 30 | 40 | 1.575x | 2/2 |" in text
+    assert "| hf (HF, cpu, float32) | - | - | 12.25 | 1 | 80 | 90 | 0.6125x | 1/2 |" in text
+    assert "skipped: no HF counterpart" in text
+    assert "2 prompts of HumanEval, MIT licence" in text
+    assert "(plots/bench_cpu_tokens_per_s.png)" in text
+    assert "(plots/bench_cpu_acceptance.png)" in text
+    assert "commit abc1234" in text and "Command: `jaxspec bench --peers hf,hf-assisted`" in text
+    # magicdec rows table and its speedup plot
+    assert "| batch | prefix | draft | gamma | alpha | speedup |" in text
+    assert "| 8 | 2048 | self-snapkv | 3 | 0.8 | 1.25 |" in text
+    assert "(plots/magicdec_speedup.png)" in text
+    # unknown: generic key/value table; front matter fills only what the JSON lacks
+    assert "| `ms_per_token` | 4.125 |" in text and "| `nested.b` | 1, 2 |" in text
+    assert "NVIDIA H200 · jax not recorded · commit 9999999" in text
+    assert "What it means." in text
+    # a notes file without a JSON names the log it stands for
+    assert "`results/old_run.log` · not recorded" in text and "The log said 3." in text
+
+
+def test_check_mode_fails_on_a_stale_page(folders):
+    (folders / "results" / "zz_new.json").write_text(json.dumps(UNKNOWN))
+    assert make_results.main(["--no-plots"]) == 0
+    assert make_results.main(["--check"]) == 0
+    (folders / "results" / "zz_new.json").write_text(json.dumps({**UNKNOWN, "ms_per_token": 5}))
+    assert make_results.main(["--check"]) == 1
+
+
+def test_plots_are_drawn_from_the_jsons(tmp_path):
+    files = []
+    for name, data in (("bench_cpu", BENCH), ("magicdec", MAGICDEC), ("zz", UNKNOWN)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(data))
+    assert [p.kind for p in plots.plans("bench_cpu", BENCH)] == ["tokens_per_s", "acceptance"]
+    assert [p.kind for p in plots.plans("magicdec", MAGICDEC)] == ["speedup"]
+    assert plots.plans("zz", UNKNOWN) == []
+    # the acceptance histogram shows speculative rows only; the speedup plot the best gamma
+    assert [r["method"] for r in plots.method_rows(BENCH) if plots.speculative(r)] == ["chain"]
+    written = plots.draw_all(files, tmp_path / "out")
+    assert sorted(p.name for p in written) == [
+        "bench_cpu_acceptance.png",
+        "bench_cpu_tokens_per_s.png",
+        "magicdec_speedup.png",
+    ]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
