@@ -216,7 +216,11 @@ def method_table(d: dict) -> str:
             line += [f"skipped: {r['skipped']}"] + ["-"] * (len(head) - 4)
         elif bench:
             ms = r.get("ms_per_token") or {}
-            same = f"{r['tokens_match']}/{n}" if "tokens_match" in r else "-"
+            same = "-"
+            if "tokens_match" in r:
+                same = f"{r['tokens_match']}/{r.get('tokens_compared', n)}"
+            if r.get("truncated"):
+                same += f" (stopped by the time budget after {len(r.get('per_prompt', []))})"
             line += [
                 r.get("tokens_per_s"),
                 r.get("acceptance_length"),

@@ -77,7 +77,7 @@ def _draft_name(draft) -> str | None:
     return getattr(draft, "name", None) or type(draft).__name__
 
 
-def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options, bar):
+def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options, bar, over):
     from jaxspec.generate import generate
 
     options = {k: v for k, v in options.items() if k in _taken(method)}
@@ -90,6 +90,8 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
     first = generate(target, ids[:batch], **kw)  # compile (excluded)
     rows, wall, new, accs, handoff, tokens = [], 0.0, 0, [], 0.0, []
     for start in range(0, len(ids), batch):
+        if rows and over():
+            break
         chunk = ids[start : start + batch]
         r = generate(target, chunk, **kw)
         s = r.stats
@@ -129,9 +131,46 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
             **({"handoff": round(handoff, 6)} if method == "swiftspec" else {}),
         },
         "new_tokens": new,
+        **({"truncated": True} if len(rows) < len(ids) else {}),
         "per_prompt": rows,
         "_tokens": tokens,
     }
+
+
+def compare(tokens: list[int], reference: list[int] | None) -> dict:
+    """Whether ``tokens`` equal ``reference``, and the first index where they differ."""
+    if reference is None:
+        return {}
+    n = min(len(tokens), len(reference))
+    diff = next((i for i in range(n) if tokens[i] != reference[i]), None)
+    if diff is None and len(tokens) != len(reference):
+        diff = n
+    return {"matches_reference": diff is None, "first_diff": diff}
+
+
+def _compared(results: list[dict]) -> tuple[list[dict], str | None]:
+    """The JSON rows: each run's tokens compared with the reference run's, speedups against
+    the first run; the internal token lists dropped. Returns (rows, reference method)."""
+    done = [r for r in results if not r.get("skipped")]
+    ref = next((r for r in done if r["method"] == "autoregressive"), done[0] if done else None)
+    reference = ref["_tokens"] if ref else []
+    base = done[0]["tokens_per_s"] if done else None
+    out = []
+    for r in results:
+        row = {k: v for k, v in r.items() if k != "_tokens"}
+        if "_tokens" in r:
+            per = []
+            for p, toks in zip(r["per_prompt"], r["_tokens"], strict=True):
+                i = p["prompt"]
+                per.append({**p, **compare(toks, reference[i] if i < len(reference) else None)})
+            row["per_prompt"] = per
+            seen = [p for p in per if "matches_reference" in p]
+            row["tokens_match"] = sum(p["matches_reference"] for p in seen)
+            row["tokens_compared"] = len(seen)
+        if row.get("tokens_per_s") is not None:
+            row["speedup_vs_first"] = round(row["tokens_per_s"] / base, 4) if base else None
+        out.append(row)
+    return out, (ref["method"] if ref else None)
 
 
 def run(
@@ -148,13 +187,24 @@ def run(
     progress: bool = True,
     chat: bool = False,
     peers: tuple[str, ...] | list[str] = (),
+    budget_s: float | None = None,
+    on_update=None,
+    clock=None,
 ) -> dict:
-    """Run every method over the prompts; returns the JSON-ready result."""
+    """Run every method, then every peer, over the prompts; returns the JSON-ready result.
+
+    ``budget_s``: past this many seconds no new batch, method or peer starts (the rows say
+    ``truncated`` or ``skipped``), so a time limit still leaves results. ``on_update`` is called
+    with the result so far after each method and peer (the CLI writes the JSON each time).
+    ``clock``: seconds, default ``time.monotonic`` (tests pass their own).
+    """
+    import time
+
     from tqdm import tqdm
 
     from jaxspec.errors import OptionError
     from jaxspec.generate import METHODS
-    from jaxspec.peers import PEERS, compare, run_peer
+    from jaxspec.peers import PEERS, run_peer
     from jaxspec.prompts import encode_prompts
 
     if not methods:
@@ -167,41 +217,47 @@ def run(
         raise OptionError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}.")
     if batch < 1:
         raise OptionError(f"--batch must be positive, got {batch}.")
+    if budget_s is not None and budget_s <= 0:
+        raise OptionError(f"--budget-s must be positive, got {budget_s}.")
+    clock = clock or time.monotonic
+    deadline = None if budget_s is None else clock() + budget_s
+
+    def over() -> bool:
+        return deadline is not None and clock() > deadline
+
     unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
     if unused:
         raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
     ids = encode_prompts(list(prompts), target.tokenizer, target.config, chat=chat)
-    results = []
-    for method in methods:
-        bar = tqdm(
-            total=len(ids),
-            desc=f"bench {method}",
-            unit="prompt",
-            disable=not progress,
-            file=sys.stderr,
-        )
-        results.append(
-            _method_rows(
-                target,
-                method,
-                draft,
-                prompts,
-                ids,
-                batch=batch,
-                max_new=max_new_tokens,
-                options=options,
-                bar=bar,
-            )
-        )
-        bar.close()
-    ref_row = next((r for r in results if r["method"] == "autoregressive"), results[0])
-    reference = ref_row["_tokens"]
-    for r in results:
-        for row, toks in zip(r["per_prompt"], r["_tokens"], strict=True):
-            row.update(compare(toks, reference[row["prompt"]]))
-        r["tokens_match"] = sum(row["matches_reference"] for row in r["per_prompt"])
+    results: list[dict] = []
+    meta = metadata()
+
+    def result() -> dict:
+        rows, reference = _compared(results)
+        return {
+            **meta,
+            "model": target.name or "",
+            "dataset": dataset,
+            "source": source,
+            "chat_template": chat,
+            "reference": reference,
+            "prompts": len(ids),
+            "max_new_tokens": max_new_tokens,
+            "batch": batch,
+            **({"budget_s": budget_s} if budget_s is not None else {}),
+            "methods": rows,
+        }
+
+    spent = "the time budget (--budget-s) was spent"
+    runs = [(m, False) for m in methods] + [(p, True) for p in peers]
     peer_cache: dict = {}
-    for name in peers:
+    for name, is_peer in runs:
+        if over():
+            dname = _draft_name(draft) if name not in ("autoregressive", "hf") else None
+            results.append({"method": name, "draft": dname, "skipped": spent})
+            if is_peer:
+                results[-1]["peer"] = True
+            continue
         bar = tqdm(
             total=len(ids),
             desc=f"bench {name}",
@@ -209,8 +265,8 @@ def run(
             disable=not progress,
             file=sys.stderr,
         )
-        results.append(
-            run_peer(
+        if is_peer:
+            row = run_peer(
                 name,
                 target,
                 draft,
@@ -219,30 +275,29 @@ def run(
                 max_new=max_new_tokens,
                 gamma=int(options.get("gamma", 4)),
                 ngram=int(options.get("ngram", 3)),
-                reference=reference,
                 cache=peer_cache,
                 bar=bar,
+                over=over,
             )
-        )
+        else:
+            row = _method_rows(
+                target,
+                name,
+                draft,
+                prompts,
+                ids,
+                batch=batch,
+                max_new=max_new_tokens,
+                options=options,
+                bar=bar,
+                over=over,
+            )
         bar.close()
+        results.append(row)
+        if on_update is not None:
+            on_update(result())
     peer_cache.clear()
-    base = results[0]["tokens_per_s"]
-    for r in results:
-        r.pop("_tokens", None)
-        if r.get("tokens_per_s") is not None:
-            r["speedup_vs_first"] = round(r["tokens_per_s"] / base, 4) if base else None
-    return {
-        **metadata(),
-        "model": target.name or "",
-        "dataset": dataset,
-        "source": source,
-        "chat_template": chat,
-        "reference": ref_row["method"],
-        "prompts": len(ids),
-        "max_new_tokens": max_new_tokens,
-        "batch": batch,
-        "methods": results,
-    }
+    return result()
 
 
 def table(result: dict) -> str:
@@ -252,13 +307,12 @@ def table(result: dict) -> str:
         f"{'p95':>8} {'speedup':>8} {'same':>7}"
     )
     lines = [head]
-    n = result["prompts"]
     for r in result["methods"]:
         draft = str(r.get("draft") or "-")[-15:]
         if r.get("skipped"):
             lines.append(f"{r['method']:>15} {draft:>15}   skipped: {r['skipped']}")
             continue
-        same = f"{r['tokens_match']}/{n}" if "tokens_match" in r else "-"
+        same = f"{r['tokens_match']}/{r['tokens_compared']}" if "tokens_match" in r else "-"
         lines.append(
             f"{r['method']:>15} {draft:>15} {r['tokens_per_s']:>9.1f} "
             f"{r['acceptance_length']:>7.2f} {r['ms_per_token']['p50']:>11.2f} "

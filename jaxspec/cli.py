@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated HF transformers peers run in the same bench: hf (plain greedy "
         "generate), hf-assisted (assisted generation with the same draft); default: none",
     )
+    b.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="time limit: past it no new batch, method or peer starts; the JSON (written after "
+        "each method and peer) keeps what finished",
+    )
     b.add_argument("--out", default=None, help="write the JSON here")
 
     pr = sub.add_parser(
@@ -226,6 +233,15 @@ def cmd_bench(args) -> int:
     target = _load_target(args)
     draft = _load_draft(args)
     prompts, source = datasets.load(args.dataset, args.prompts)
+
+    def write(result: dict) -> None:  # after each method: a time limit still leaves a JSON
+        if args.out:
+            path = pathlib.Path(args.out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
+            tmp.replace(path)
+
     result = bench.run(
         target,
         methods=[m for m in args.methods.split(",") if m],
@@ -238,12 +254,12 @@ def cmd_bench(args) -> int:
         options=options,
         chat=datasets.chat_template(args.dataset),
         peers=[p for p in args.peers.split(",") if p],
+        budget_s=args.budget_s,
+        on_update=write,
     )
     if args.out:
-        path = pathlib.Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        write(result)
+        print(f"wrote {args.out}", file=sys.stderr)
     print(bench.table(result))
     return 0
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import jaxspec
-from jaxspec import cli, datasets
+from jaxspec import bench, cli, datasets
 from jaxspec.prompts import encode_prompts
 from tests import hf_fixtures
 
@@ -106,7 +106,7 @@ def test_bench_peers_and_the_chat_set(ckpt, tmp_path, capsys):
     assert [w[:2] for w in want] == [[5, 6], [5, 6]] and want != plain
     ref = jaxspec.generate(m, want, max_new_tokens=5).tokens
     for row in r["methods"]:
-        assert row["tokens_match"] == 2, row["method"]
+        assert row["tokens_match"] == row["tokens_compared"] == 2, row["method"]
         assert [p["prompt_tokens"] for p in row["per_prompt"]] == [len(w) for w in want]
         assert [p["new_tokens"] for p in row["per_prompt"]] == [len(t) for t in ref]
         assert all(p["matches_reference"] and p["first_diff"] is None for p in row["per_prompt"])
@@ -133,6 +133,44 @@ def test_bench_peer_without_an_hf_counterpart_is_skipped_not_fatal(ckpt, tmp_pat
     assert "skipped" in capsys.readouterr().out
 
 
+def test_budget_truncates_then_skips_and_each_update_is_a_full_result(ckpt, tmp_path):
+    """A clock that advances 1 s per reading and a 2.5 s budget: the first method runs two of
+    its three batches, later runs are skipped; every update is a complete, comparable result."""
+    ticks = iter(range(1000))
+    updates = []
+    m = jaxspec.load(ckpt)
+    r = bench.run(
+        m,
+        methods=["autoregressive", "chain"],
+        draft="ngram",
+        prompts=["w3 w4 w5", "w7 w8", "w9 w10"],
+        source="test",
+        dataset="test",
+        max_new_tokens=3,
+        batch=1,
+        options={},
+        progress=False,
+        peers=["hf"],
+        budget_s=2.5,
+        on_update=updates.append,
+        clock=lambda: next(ticks),
+    )
+    ar, chain, hf = r["methods"]
+    assert ar["truncated"] and [p["prompt"] for p in ar["per_prompt"]] == [0, 1]
+    assert ar["tokens_match"] == ar["tokens_compared"] == 2 and ar["new_tokens"] > 0
+    assert "budget" in chain["skipped"] and "budget" in hf["skipped"] and hf["peer"]
+    assert r["budget_s"] == 2.5 and r["reference"] == "autoregressive"
+    assert len(updates) == 1 and updates[0]["methods"][0] == ar
+    assert "skipped" in bench.table(r).splitlines()[2]
+
+
+def test_compare_finds_the_first_difference():
+    assert bench.compare([1, 2, 3], [1, 2, 3]) == {"matches_reference": True, "first_diff": None}
+    assert bench.compare([1, 5, 3], [1, 2, 3])["first_diff"] == 1
+    assert bench.compare([1, 2], [1, 2, 3]) == {"matches_reference": False, "first_diff": 2}
+    assert bench.compare([1], None) == {}
+
+
 def jax_version():
     import jax
 
@@ -148,6 +186,7 @@ def jax_version():
         (["--batch", "0"], "--batch"),
         (["--peers", "vllm"], "unknown peer"),
         (["--methods", ","], "at least one method"),
+        (["--budget-s", "0"], "--budget-s"),
         (["--option", "beams=2"], "takes beams"),
     ],
 )
