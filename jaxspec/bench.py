@@ -59,8 +59,17 @@ def metadata() -> dict:
         "device": device,
         "jax": jax.__version__,
         "commit": commit,
-        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+        "command": _command(sys.argv),
     }
+
+
+def _command(argv: list[str]) -> str:
+    """The command line as typed: ``jaxspec ...`` for the CLI (console script or ``python -m
+    jaxspec.cli``), else ``python SCRIPT ...``."""
+    head = argv[0] if argv else ""
+    if pathlib.Path(head).name == "jaxspec" or head.endswith(("jaxspec/cli.py", "jaxspec.cli")):
+        return " ".join(["jaxspec", *argv[1:]])
+    return " ".join([pathlib.Path(sys.executable).name, *argv])
 
 
 def _taken(method: str) -> tuple[str, ...]:

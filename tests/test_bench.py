@@ -171,6 +171,14 @@ def test_compare_finds_the_first_difference():
     assert bench.compare([1], None) == {}
 
 
+def test_recorded_command_is_the_one_typed():
+    assert (
+        bench._command(["/v/bin/jaxspec", "bench", "--prompts", "8"]) == "jaxspec bench --prompts 8"
+    )
+    assert bench._command(["/r/jaxspec/cli.py", "bench"]) == "jaxspec bench"
+    assert bench._command(["benchmarks/x.py", "--n", "2"]).endswith("python benchmarks/x.py --n 2")
+
+
 def jax_version():
     import jax
 
