@@ -278,12 +278,17 @@ def kernels_table(d: dict) -> str:
 
 
 def body_table(name: str, d: dict) -> str:
-    if "jaxspec_greedy_tok_per_s" in d:
-        return ar_table(d)
-    if plots_mod.method_rows(d):
-        return method_table(d)
-    if isinstance(d.get("results"), list) and d["results"] and "impl" in d["results"][0]:
-        return kernels_table(d)
+    """The layout's own table; the generic one when the layout is unknown or its JSON does not
+    have the fields the layout's table needs (so a new variant never breaks the page)."""
+    try:
+        if "jaxspec_greedy_tok_per_s" in d:
+            return ar_table(d)
+        if plots_mod.method_rows(d):
+            return method_table(d)
+        if isinstance(d.get("results"), list) and d["results"] and "impl" in d["results"][0]:
+            return kernels_table(d)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
     return generic(d)
 
 

@@ -153,6 +153,13 @@ def test_sections_for_each_layout_in_page_order(folders):
     assert "`results/old_run.log` · not recorded" in text and "The log said 3." in text
 
 
+def test_a_known_layout_missing_fields_falls_back_to_the_generic_table(folders):
+    odd = {"results": [{"impl": "ours", "B": 1, "note": "no timings"}], "date": "2026-12-02"}
+    (folders / "results" / "kernels_new.json").write_text(json.dumps(odd))
+    text = make_results.render()
+    assert "| impl | B | note |" in text and "| ours | 1 | no timings |" in text
+
+
 def test_check_mode_fails_on_a_stale_page(folders):
     (folders / "results" / "zz_new.json").write_text(json.dumps(UNKNOWN))
     assert make_results.main(["--no-plots"]) == 0
