@@ -31,11 +31,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
-        default="autoregressive",
-        choices=("autoregressive", "chain", "tree", "swiftspec", "magicdec"),
+        default="auto",
+        choices=("auto", "autoregressive", "chain", "tree", "swiftspec", "magicdec"),
+        help="auto (default): chain with --draft when one is given, or with the shipped "
+        "distilled draft when the model is the embedded default; else autoregressive",
     )
     p.add_argument(
-        "--draft", default=None, help=f"draft checkpoint folder, or one of {', '.join(DRAFT_KINDS)}"
+        "--draft",
+        default=None,
+        help="draft checkpoint folder (converted model or `jaxspec distill` output), or one of "
+        f"{', '.join(DRAFT_KINDS)}",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -143,7 +148,89 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also print the tokens/s implied at this acceptance length",
     )
+    _add_distill_parser(sub)
     return parser
+
+
+# (flag, Recipe/DataSpec field, type, help): distill's training and data options. Defaults are
+# None here so that --resume can tell the options given from those left at their defaults.
+DISTILL_OPTIONS = (
+    ("--layers", "layers", int, "decoder layers of the draft"),
+    ("--intermediate", "intermediate", int, "MLP width of the draft"),
+    ("--init", "init", str, "copy (target layers, MLP trimmed) or random"),
+    ("--seq-len", "seq_len", int, "tokens per training window"),
+    ("--batch", "batch", int, "windows per step"),
+    ("--steps", "steps", int, "the most optimizer steps (a --budget-s may fix fewer)"),
+    ("--lr", "lr", float, "peak AdamW learning rate"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "final learning rate / peak (cosine)"),
+    ("--warmup", "warmup", int, "linear warmup steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
+    ("--clip", "clip", float, "global gradient-norm clip"),
+    ("--ce-weight", "ce_weight", float, "weight of CE on the target's greedy token beside KL"),
+    ("--seed", "seed", int, "data-order seed"),
+    ("--samples", "samples", int, "temperature samples per prompt, besides the greedy one"),
+    ("--temperature", "temperature", float, "temperature of those samples"),
+    ("--max-new-tokens", "max_new", int, "tokens the target writes per prompt"),
+    ("--gen-batch", "gen_batch", int, "rows per generation batch"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "longer prompts keep their last tokens"),
+    ("--data-seed", "data_seed", int, "sampling seed of the data"),
+)
+
+
+def _add_distill_parser(sub) -> None:
+    from jaxspec.distill import DataSpec, Recipe
+
+    defaults = {**vars(DataSpec()), **vars(Recipe()), "data_seed": DataSpec().seed}
+    d = sub.add_parser(
+        "distill",
+        help="train a small draft for a target on text the target writes",
+        description="Distil a small draft (a few decoder layers, the target's tokenizer, "
+        "embedding and LM head shared) from the target's own greedy and sampled continuations "
+        "of real prompts (the first 20 HumanEval prompts are held out): KL(target || draft) "
+        "over the full vocabulary plus CE on the target's greedy token, AdamW with warmup and "
+        "cosine decay, Orbax checkpoints (--resume). The draft lands in OUT/draft; use it with "
+        "--draft OUT in generate, bench and profile.",
+    )
+    d.add_argument(
+        "--target",
+        default=None,
+        help="the target's converted checkpoint (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    d.add_argument("--out", required=True, help="run folder: data/, train/ and the draft/")
+    d.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="compute dtype; auto = float32 on CPU, bfloat16 on GPU (default: auto)",
+    )
+    d.add_argument(
+        "--data",
+        default=None,
+        help="comma-separated prompt sets (humaneval, chat, file:PATH; NAME@chat / NAME@raw "
+        "force the chat template) (default: humaneval,chat)",
+    )
+    for flag, field, typ, text in DISTILL_OPTIONS:
+        d.add_argument(
+            flag, dest=field, type=typ, default=None, help=f"{text} (default: {defaults[field]})"
+        )
+    d.add_argument("--resume", action="store_true", help="continue the run in --out")
+    d.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop the whole run (data + training) within about this many seconds",
+    )
+    d.add_argument(
+        "--gen-budget-s", type=float, default=None, help="seconds for data (default: 40%% of it)"
+    )
+    d.add_argument("--until-step", type=int, default=None, help="stop after this step")
+    d.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    d.add_argument(
+        "--store-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of the stored draft (default: bfloat16)",
+    )
 
 
 def _dtype(name: str):
@@ -163,12 +250,31 @@ def _load_target(args):
     return load(path, dtype=_dtype(args.dtype))
 
 
-def _load_draft(args):
+def _load_draft(args, target):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
     from jaxspec.convert import load
+    from jaxspec.distill import is_draft_checkpoint, load_draft
 
+    if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
+        return load_draft(args.draft, target)
     return load(args.draft, dtype=_dtype(args.dtype))
+
+
+def _auto_method(args, target, draft):
+    """``--method auto``: chain with the given draft, or with the shipped distilled draft for
+    the embedded default model (when it is there and matches), else autoregressive."""
+    if args.method != "auto":
+        return args.method, draft
+    if draft is not None:
+        return "chain", draft
+    if args.model is None:
+        from jaxspec.distill import shipped_draft
+
+        shipped = shipped_draft(target)
+        if shipped is not None:
+            return "chain", shipped
+    return "autoregressive", None
 
 
 def _method_options(args) -> dict:
@@ -192,12 +298,12 @@ def cmd_generate(args) -> int:
     from jaxspec.generate import generate
 
     target = _load_target(args)
-    draft = _load_draft(args)
+    method, draft = _auto_method(args, target, _load_draft(args, target))
     result = generate(
         target,
         args.prompt,
         draft=draft,
-        method=args.method,
+        method=method,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -231,7 +337,7 @@ def cmd_bench(args) -> int:
             raise OptionError(f"--option takes KEY=INT, got {item!r}.")
         options[key] = int(value)
     target = _load_target(args)
-    draft = _load_draft(args)
+    draft = _load_draft(args, target)
     prompts, source = datasets.load(args.dataset, args.prompts)
 
     def write(result: dict) -> None:  # after each method: a time limit still leaves a JSON
@@ -271,7 +377,7 @@ def cmd_profile(args) -> int:
     if args.prompt_tokens < 1:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
     target = _load_target(args)
-    draft = _load_draft(args)
+    draft = _load_draft(args, target)
     prompt = [int(target.config.bos_token_id or 1)] * args.prompt_tokens
     head = f"{'target':>6} {'draft':>5} {'verify ms':>10} {'expand ms':>10} {'handoff ms':>11} "
     head += f"{'d':>3} {'iteration ms':>13}"
@@ -296,11 +402,51 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_distill(args) -> int:
+    from jaxspec.bench import metadata
+    from jaxspec.convert import load
+    from jaxspec.default_model import default_checkpoint
+    from jaxspec.distill import distill
+
+    target = load(args.target or default_checkpoint(), dtype=_dtype(args.dtype))
+    options = {
+        f: getattr(args, f) for _, f, _, _ in DISTILL_OPTIONS if getattr(args, f) is not None
+    }
+    if args.data is not None:
+        options["data"] = args.data
+    result = distill(
+        target,
+        args.out,
+        resume=args.resume,
+        budget_s=args.budget_s,
+        gen_budget_s=args.gen_budget_s,
+        until_step=args.until_step,
+        save_every=args.save_every,
+        dtype=args.store_dtype,
+        command=metadata()["command"],
+        **options,
+    )
+    h = result.history[-20:]
+    loss = sum(r["loss"] for r in h) / len(h) if h else float("nan")
+    agree = sum(r["agree"] for r in h) / len(h) if h else float("nan")
+    where = (
+        f"checkpoint in {result.path.parent / 'train'} (continue with --resume)"
+        if result.stopped == "until_step"
+        else f"draft written to {result.path}"
+    )
+    print(
+        f"{result.steps}/{result.total_steps} steps; last loss {loss:.4f}, top-1 agreement "
+        f"{agree:.3f}; {where}"
+    )
+    return 0
+
+
 COMMANDS = {
     "convert": cmd_convert,
     "generate": cmd_generate,
     "bench": cmd_bench,
     "profile": cmd_profile,
+    "distill": cmd_distill,
 }
 
 

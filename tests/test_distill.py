@@ -1,0 +1,209 @@
+"""jaxspec distill: a short run on a tiny target whose loss falls, whose draft loads and drafts
+losslessly, resumes exactly, refuses another target, and whose CLI errors exit 2."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec import cli
+from jaxspec import distill as D
+from jaxspec.errors import DraftError, JaxspecError, OptionError
+from jaxspec.generate import generate
+from tests import tiny
+
+PROMPTS = tiny.prompts(1, lengths=(13, 9, 7, 11))
+# a 1-layer draft with a trimmed MLP for the 2-layer tiny target
+RUN = dict(
+    layers=1,
+    intermediate=32,
+    seq_len=32,
+    batch=4,
+    lr=3e-3,
+    warmup=3,
+    samples=2,
+    max_new=24,
+    gen_batch=4,
+    progress=False,
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.model(0)
+
+
+@pytest.fixture(scope="module")
+def run(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "run"
+    return D.distill(target, out, prompts=PROMPTS, steps=40, save_every=10, **RUN)
+
+
+def test_loss_falls_and_the_target_wrote_the_data(run, target):
+    losses = [h["loss"] for h in run.history]
+    assert run.steps == run.total_steps == 40 and len(losses) == 40
+    assert np.mean(losses[-5:]) < 0.95 * np.mean(losses[:5])
+    agree = [h["agree"] for h in run.history]
+    assert np.mean(agree[-5:]) > np.mean(agree[:5])
+    # every document is a prompt followed by the target's own continuation
+    stream = np.load(run.path.parent / "data" / "tokens.npy")
+    offsets = np.load(run.path.parent / "data" / "offsets.npy")
+    meta = json.loads((run.path.parent / "data" / "meta.json").read_text())
+    assert meta["documents"] == len(PROMPTS) * 3 and stream.size == offsets[-1]
+    greedy = generate(target, PROMPTS, max_new_tokens=24).tokens
+    for i, p in enumerate(PROMPTS):  # pass 0 is greedy: exactly the target's greedy tokens
+        doc = stream[offsets[i] : offsets[i + 1]].tolist()
+        assert doc == p + greedy[i]
+
+
+def test_draft_loads_small_and_drafts_losslessly(run, target):
+    meta = json.loads((run.path / "draft.json").read_text())
+    assert meta["config"]["num_layers"] == 1 and meta["config"]["intermediate_size"] == 32
+    assert meta["dtype"] == "bfloat16"
+    # the shared embedding and head are not stored
+    stored = meta["parameters"]
+    own = 2 * 32 + 32 + (32 * 32 * 2 + 32 * 16 * 2) + 3 * 32 * 32
+    assert stored == own
+    draft = D.load_draft(run.path.parent, target)  # the distill folder works too
+    assert draft.config.num_layers == 1 and draft.dtype == target.dtype
+    pd, pt = jax.tree.leaves(draft.params), jax.tree.leaves(target.params)
+    assert any(a is b for a in pd for b in pt)  # shared, not copied
+    want = generate(target, PROMPTS, max_new_tokens=20).tokens
+    got = generate(target, PROMPTS, draft=draft, method="chain", max_new_tokens=20, gamma=3)
+    assert got.tokens == want
+    assert got.stats["acceptance_length"] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,opts",
+    [
+        ("tree", {"depth": 3}),
+        ("magicdec", {"gamma": 3, "sparse": "dense"}),
+        ("swiftspec", {"target_devices": 1, "draft_devices": 1, "depth": 2}),
+    ],
+)
+def test_draft_serves_every_engine(run, target, method, opts):
+    draft = D.load_draft(run.path, target)
+    want = generate(target, PROMPTS, max_new_tokens=16).tokens
+    got = generate(target, PROMPTS, draft=draft, method=method, max_new_tokens=16, **opts)
+    assert got.tokens == want
+
+
+def test_trained_draft_beats_its_init(run, target):
+    """The trained draft agrees with the target more often than the copied-layer init."""
+    init = D._draft_model(
+        target,
+        D.draft_config(target.config, 1, 32),
+        D.init_draft(target, D.Recipe(layers=1, intermediate=32)),
+        "init",
+    )
+    trained = D.load_draft(run.path, target)
+    toks = np.load(run.path.parent / "data" / "tokens.npy")[:64][None]
+    best = np.argmax(np.asarray(target.logits(toks)), -1)
+    agree = lambda m: float(np.mean(np.argmax(np.asarray(m.logits(toks)), -1) == best))  # noqa: E731
+    assert agree(trained) > agree(init)
+
+
+def test_resume_gives_the_same_weights(run, target, tmp_path):
+    """Stopped at step 17 (checkpoints at 10 and 17), resumed to 40: the same losses and the
+    same weights as the uninterrupted 40-step run of the fixture."""
+    out = tmp_path / "split"
+    out.mkdir()
+    shutil.copytree(run.path.parent / "data", out / "data")  # the same data, not regenerated
+    first = D.distill(target, out, prompts=PROMPTS, steps=40, save_every=10, until_step=17, **RUN)
+    assert first.stopped == "until_step" and first.steps == 17
+    assert not (out / "draft").exists()
+    again = D.distill(target, out, prompts=PROMPTS, resume=True, save_every=10, progress=False)
+    assert again.steps == 40 and [h["step"] for h in again.history] == list(range(18, 41))
+    assert [h["loss"] for h in first.history + again.history] == [h["loss"] for h in run.history]
+    a = jax.tree.leaves(D.load_draft(again.path, target).params)
+    b = jax.tree.leaves(D.load_draft(run.path, target).params)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(OptionError, match="lr="):
+        D.distill(target, out, prompts=PROMPTS, resume=True, lr=1e-2, progress=False)
+    with pytest.raises(OptionError, match="already holds"):
+        D.distill(target, out, prompts=PROMPTS, **RUN)
+
+
+def test_another_target_is_a_draft_error(run, target):
+    other = tiny.model(1)
+    with pytest.raises(DraftError, match="another target"):
+        D.load_draft(run.path, other)
+    # the same weights in another dtype are the same target
+    import jax.numpy as jnp
+
+    half = tiny.model(0)
+    half = type(half)(
+        half.config,
+        half.graphdef,
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), half.params),
+        None,
+        "bf16",
+    )
+    assert D.load_draft(run.path, half).dtype == jnp.bfloat16
+
+
+def test_bad_input_is_a_jaxspec_error(target, tmp_path):
+    with pytest.raises(OptionError, match="layers"):
+        D.distill(target, tmp_path / "a", prompts=PROMPTS, layers=0, progress=False)
+    with pytest.raises(OptionError, match="does not take"):
+        D.distill(target, tmp_path / "a", prompts=PROMPTS, bogus=1, progress=False)
+    with pytest.raises(OptionError, match="fewer than one batch"):
+        D.distill(target, tmp_path / "b", prompts=PROMPTS, **{**RUN, "batch": 64})
+    assert not (tmp_path / "b" / "draft").exists()
+    with pytest.raises(JaxspecError, match="no distilled draft"):
+        D.load_draft(tmp_path / "nothing", target)
+    with pytest.raises(JaxspecError, match="nothing to resume"):
+        D.distill(target, tmp_path / "c", prompts=PROMPTS, resume=True, progress=False)
+
+
+def test_corrupt_draft_is_a_checkpoint_error(run, target, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(run.path, bad)
+    for f in (bad / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(b"\0" * 16)
+    with pytest.raises(JaxspecError, match="corrupt"):
+        D.load_draft(bad, target)
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    assert cli.main(["distill", "--target", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
+    code = cli.main(
+        ["distill", "--target", str(tmp_path / "none"), "--out", str(tmp_path), "--layers", "0"]
+    )
+    assert code == 2
+
+
+@pytest.mark.slow
+def test_cli_distills_and_generates_with_the_draft(tmp_path, capsys):
+    """The whole CLI path on a tiny converted checkpoint with a tokenizer: prompts from a
+    file, a few steps, then `generate --draft OUT` (method auto -> chain) equals greedy."""
+    import jaxspec
+    from tests import hf_fixtures
+
+    hf_fixtures.save_hf_checkpoint("llama3.1", tmp_path / "hf", tokenizer=True)
+    ckpt = jaxspec.convert(tmp_path / "hf", tmp_path / "m", dtype="float32", progress=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w4 w5 w6\nw7 w8 w9\nw10 w11 w3 w4 w12\n")
+    out = tmp_path / "run"
+    argv = ["distill", "--target", str(ckpt), "--out", str(out), "--data", f"file:{prompts}"]
+    argv += ["--layers", "1", "--intermediate", "16", "--seq-len", "16", "--batch", "2"]
+    argv += ["--steps", "3", "--samples", "1", "--max-new-tokens", "16", "--gen-batch", "3"]
+    assert cli.main(argv) == 0
+    assert "3/3 steps" in capsys.readouterr().out
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["documents"] == 6 and meta["sources"][f"file:{prompts}"]["held_out"] == 0
+    gen = ["generate", "w3 w4 w5", "--model", str(ckpt), "--raw", "--max-new-tokens", "12"]
+    assert cli.main([*gen, "--method", "autoregressive"]) == 0
+    want = capsys.readouterr().out
+    assert cli.main([*gen, "--draft", str(out)]) == 0
+    got = capsys.readouterr()
+    assert got.out == want and "[chain]" in got.err
+    # resuming a finished run with another recipe value is refused, exit 2
+    assert cli.main([*argv[:5], "--resume", "--lr", "0.5"]) == 2
+    assert "lr=" in capsys.readouterr().err
