@@ -2,6 +2,7 @@
 
 from jaxspec.config import ModelConfig
 from jaxspec.convert import convert, load
+from jaxspec.distill import load_draft
 from jaxspec.engines.common import GenerationResult
 from jaxspec.errors import (
     CheckpointError,
@@ -29,5 +30,6 @@ __all__ = [
     "convert",
     "generate",
     "load",
+    "load_draft",
     "new_model",
 ]
