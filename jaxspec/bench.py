@@ -30,8 +30,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def metadata() -> dict:
-    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command."""
+    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command.
+
+    ``JAXSPEC_COMMIT`` wins when set: a copy of the tree on another machine (the GPU runs) may
+    carry a stale ``.git``."""
     try:
+        if os.environ.get("JAXSPEC_COMMIT", "unknown") != "unknown":
+            raise OSError("commit given by JAXSPEC_COMMIT")
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             cwd=ROOT,
