@@ -432,6 +432,15 @@ def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]
     return rows, info
 
 
+def _width(n: int) -> int:
+    """The padded prompt width ``pad_prompts`` would pick: the engines' prefill runs over
+    ``width // PREFILL_CHUNK`` chunks, so past one chunk the width is a multiple of it."""
+    from jaxspec.engines.common import PREFILL_CHUNK
+
+    m = 16 if n <= PREFILL_CHUNK else PREFILL_CHUNK
+    return -(-n // m) * m
+
+
 def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed):
     """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
     padded to a fixed width so every batch reuses one compilation."""
@@ -476,7 +485,7 @@ def generate_data(
     # a prompt and its continuation fit the context: longer prompts keep their last tokens
     cap = min(spec.max_prompt_tokens, target.config.max_position_embeddings - spec.max_new)
     ids = [p[-cap:] for p in ids]
-    width = int(-(-max(len(p) for p in ids) // 16) * 16)
+    width = _width(max(len(p) for p in ids))
     # pass 0: greedy; passes 1..samples: temperature. Ordered by pass, so a budget cut keeps
     # whole passes over every source.
     jobs = [(0, i) for i in range(len(ids))]

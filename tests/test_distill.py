@@ -14,7 +14,8 @@ from jaxspec.errors import DraftError, JaxspecError, OptionError
 from jaxspec.generate import generate
 from tests import tiny
 
-PROMPTS = tiny.prompts(1, lengths=(13, 9, 7, 11))
+# one prompt longer than a prefill chunk (256): the data's prefill must see all of it
+PROMPTS = tiny.prompts(1, lengths=(13, 9, 300, 11))
 # a 1-layer draft with a trimmed MLP for the 2-layer tiny target
 RUN = dict(
     layers=1,

