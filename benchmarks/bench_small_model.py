@@ -1,0 +1,175 @@
+"""Small-model latency (issue 10): the real SmolLM2-135M-Instruct at batch 1.
+
+Writes ``small_model.json`` with, at contexts 1024 and 4096 (a prompt of real text, HumanEval
+prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many tokens by the end):
+
+* ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy;
+* ``chain_tok_per_s_b1_ctx*`` / ``tree_tok_per_s_b1_ctx*``: with each draft given (the distilled
+  draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported;
+* ``hf_eager_tok_per_s_b1``: HF transformers' eager ``generate`` on the same weights and GPU,
+  measured in the same run (short chat prompt, as ``bench_autoregressive.py``);
+* ``fast_path_check``: greedy tokens of the fast path (the Pallas attention kernel) against the
+  plain path (the jnp reference attention) on the same prompt, and of chain/tree against
+  autoregressive; at a difference the target's top-2 logit gap there (bf16 near-tie rule);
+* ``step_1b``: a Llama-3.2-1B-shape decode step (random weights) against its HBM floor.
+
+    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--out small_model.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import humaneval_prompts, metadata, write
+from jaxspec.convert import load
+from jaxspec.default_model import default_checkpoint, default_gguf_path
+from jaxspec.generate import generate
+
+
+def context_ids(model, ctx: int, new: int) -> list[int]:
+    ids = model.tokenizer.encode("\n".join(humaneval_prompts(20)))
+    while len(ids) < ctx:
+        ids = ids + ids
+    return ids[: ctx - new]
+
+
+def timed(model, ids, new, repeats, **kw):
+    """(median tokens/s, last result); the first call compiles."""
+    generate(model, [ids], max_new_tokens=new, **kw)
+    runs = [generate(model, [ids], max_new_tokens=new, **kw) for _ in range(repeats)]
+    tps = statistics.median(r.stats["tokens_per_s"] for r in runs)
+    return tps, runs[-1]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(model, prompt: list[int], out: list[int], at: int) -> float:
+    """The target's top-2 logit gap where the greedy outputs first differ."""
+    logits = model.logits([prompt + out[:at]])[0, -1]
+    top = jnp.sort(logits)[-2:]
+    return float(top[1] - top[0])
+
+
+def compare(model, prompt, ref: list[int], got: list[int]) -> dict:
+    at = first_difference(ref, got)
+    row = {"identical": at is None, "tokens": len(ref)}
+    if at is not None:
+        row.update(first_difference=at, top2_logit_gap=round(top2_gap(model, prompt, ref, at), 4))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    model = load(default_checkpoint(), dtype=dtype)
+    drafts = {"ngram": "ngram"}
+    if args.draft:
+        from jaxspec.distill import load_draft
+
+        drafts = {"distilled": load_draft(args.draft, model), **drafts}
+    payload = {
+        **metadata(),
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "dtype": str(jnp.dtype(dtype)),
+        "new_tokens": args.new,
+        "gamma": args.gamma,
+        "tree_shape": {"depth": 4, "width": 8, "branch": 4, "bs": 8},
+        "drafts": list(drafts),
+    }
+    path = None
+    checks = {}
+    for ctx in [int(c) for c in args.contexts.split(",") if c]:
+        ids = context_ids(model, ctx, args.new)
+        ar_tps, ar = timed(model, ids, args.new, args.repeats)
+        payload[f"ar_tok_per_s_b1_ctx{ctx}"] = round(ar_tps, 1)
+        print(f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s", flush=True)
+        for method, opts in (("chain", {"gamma": args.gamma}), ("tree", {"depth": 4})):
+            best = 0.0
+            for name, draft in drafts.items():
+                t0 = time.perf_counter()
+                tps, r = timed(
+                    model, ids, args.new, args.repeats, method=method, draft=draft, **opts
+                )
+                key = f"{method}_{name}_ctx{ctx}"
+                payload[f"{key}_tok_per_s"] = round(tps, 1)
+                payload[f"{key}_acceptance_length"] = round(r.stats["acceptance_length"], 3)
+                checks[f"{key}_vs_autoregressive"] = compare(model, ids, ar.tokens[0], r.tokens[0])
+                best = max(best, tps)
+                print(
+                    f"  {method:>6} + {name:<10} {tps:8.1f} tok/s  acc "
+                    f"{r.stats['acceptance_length']:.2f}  ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+            payload[f"{method}_tok_per_s_b1_ctx{ctx}"] = round(best, 1)
+            payload[f"{method}_over_ar_ctx{ctx}"] = round(best / ar_tps, 2)
+        if ctx == int(args.contexts.split(",")[0]):
+            # the plain path: the jnp reference attention instead of the Pallas kernel
+            import jaxspec.model as jm
+            from jaxspec.engines import common
+
+            before, jm.ATTENTION_IMPL = jm.ATTENTION_IMPL, "reference"
+            common._COMPILED.clear()
+            jax.clear_caches()
+            plain_tps, plain = timed(model, ids, args.new, 1)
+            jm.ATTENTION_IMPL = before
+            common._COMPILED.clear()
+            jax.clear_caches()
+            payload[f"ar_plain_attention_tok_per_s_ctx{ctx}"] = round(plain_tps, 1)
+            checks["pallas_vs_reference_attention"] = compare(
+                model, ids, plain.tokens[0], ar.tokens[0]
+            )
+        path = write("small_model.json", {**payload, "fast_path_check": checks}, args.out)
+    first = int(args.contexts.split(",")[0])
+    payload["ar_tok_per_s_b1"] = payload[f"ar_tok_per_s_b1_ctx{first}"]
+    payload["chain_tok_per_s_b1"] = payload[f"chain_tok_per_s_b1_ctx{first}"]
+    payload["tree_tok_per_s_b1"] = payload[f"tree_tok_per_s_b1_ctx{first}"]
+    if not args.no_hf:
+        import torch
+
+        from benchmarks.bench_autoregressive import PROMPT, bench_hf
+        from jaxspec.prompts import encode_text
+
+        hf_ids = encode_text(model.tokenizer, PROMPT, chat=True)
+        hf_tps, _ = bench_hf(
+            default_gguf_path(),
+            hf_ids,
+            args.new,
+            args.repeats,
+            torch.bfloat16 if gpu else torch.float32,
+        )
+        payload["hf_eager_tok_per_s_b1"] = round(hf_tps, 1)
+        short_tps, _ = timed(model, hf_ids, args.new, args.repeats)
+        payload["ar_tok_per_s_b1_short_prompt"] = round(short_tps, 1)
+        print(f"HF eager {hf_tps:.1f} tok/s; jaxspec on the same prompt {short_tps:.1f}")
+    if not args.skip_1b:
+        from benchmarks.bench_decode_gpu import Case, run_case
+
+        payload["step_1b"] = run_case(
+            Case("1b" if gpu else "smoke", 1, 4096 if gpu else 64, 1), 32, 5, 4.3, dtype
+        )
+    path = write("small_model.json", {**payload, "fast_path_check": checks}, args.out)
+    return path
+
+
+if __name__ == "__main__":
+    main()
