@@ -9,6 +9,16 @@ costs gamma draft steps plus one verify of gamma + 1 tokens, so
 where T_T is one autoregressive target step, T_D one draft step and T_V(gamma) one target
 verify of gamma + 1 tokens (all at the same batch and context). ``choose_gamma`` minimises it.
 
+Batched trees (beyond MagicDec, which is chain-only): a tree step makes ``depth`` draft
+expansions (each one draft forward over the ``width`` best leaves: T_E) and one target verify of
+the best ``bs`` nodes plus the root (T_V(bs)), and yields the measured tree acceptance length L
+(accepted path plus the bonus token), so
+
+    T_tree / T_AR = (depth * T_E / T_T + T_V(bs) / T_T) / L
+
+``choose_shape`` compares it with the best chain. ``measure_tree`` measures T_E, T_V(bs) and L
+with the tree engine's own pieces.
+
 Inputs come from ``measure`` (this machine: the engines' own jitted pieces on random prompts of
 the batch and prefix; alpha from a short chain run) or from ``analytic_times`` (a machine not at
 hand: bytes and FLOPs per forward against its bandwidth and peak). Times are in milliseconds.
@@ -68,6 +78,12 @@ def alpha_from_acceptance_length(length: float, gamma: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if omega(gamma, mid) < length else (lo, mid)
     return (lo + hi) / 2
+
+
+def tree_relative_time(depth: int, t_e: float, t_t: float, t_v: float, length: float) -> float:
+    """T_tree / T_AR for a tree step: ``depth`` expansions of ``t_e`` ms, a verify of ``t_v``
+    ms, ``length`` tokens per verification on average."""
+    return (depth * t_e / t_t + t_v / t_t) / max(length, 1e-9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +300,137 @@ def measure(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeMeasurement:
+    depth: int
+    width: int
+    branch: int
+    bs: int
+    t_e: float  # ms, one draft expansion (a forward over the ``width`` best leaves)
+    t_v: float  # ms, one target verify of bs + 1 tree-masked tokens
+    acceptance_length: float  # tokens per verification (accepted path + bonus), measured
+
+    def relative_time(self, t_t: float) -> float:
+        return tree_relative_time(self.depth, self.t_e, t_t, self.t_v, self.acceptance_length)
+
+
+def choose_shape(
+    chain: Measurement, tree: TreeMeasurement | None = None, gammas: Iterable[int] | None = None
+) -> tuple[str, int | None, float]:
+    """("chain", gamma, speedup) or ("tree", None, speedup): the shape the cost model predicts
+    fastest (ties: the chain) and its predicted speedup T_AR / T_SD."""
+    gamma, speedup = chain.choose(gammas)
+    if tree is not None:
+        tree_speedup = 1.0 / tree.relative_time(chain.t_t)
+        if tree_speedup > speedup:
+            return "tree", None, tree_speedup
+    return "chain", gamma, speedup
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"))
+def _tree_verify(tparams, cache, tb, key, out, count, done, *, graphdef, sampling, eos):
+    from jaxspec.engines.tree import verify_and_commit
+
+    v = verify_and_commit(
+        tparams, cache, tb, key, out, count, done, graphdef=graphdef, sampling=sampling, eos=eos
+    )
+    return v.n
+
+
+def measure_tree(
+    target,
+    draft,
+    shape,
+    batch: int,
+    prefix: int,
+    *,
+    dparams,
+    ids=None,
+    lens=None,
+    tokens: int = 32,
+    reps: int = 5,
+    seed: int = 0,
+) -> TreeMeasurement:
+    """Time one draft expansion (T_E) and one target verify of the ``shape.bs`` best nodes
+    (T_V(bs)) on random prompts of ``batch`` x ``prefix`` with the tree engine's own pieces, and
+    the tree acceptance length from a short greedy tree run (on ``ids``/``lens`` when given).
+
+    ``draft``: a tree draft (``tree_drafts.ModelTreeDraft``) with ``dparams``; ``shape``: a
+    ``engines.tree.TreeShape``."""
+    from jaxspec import tree as T
+    from jaxspec.engines import tree as tree_engine
+    from jaxspec.engines.common import execute
+    from jaxspec.sampling import Sampling
+
+    cfg, graphdef, tparams = target.config, target.graphdef, target.params
+    greedy = Sampling(0.0, 1.0, 0)
+    rng = np.random.RandomState(seed)
+    rand_ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, prefix)), jnp.int32)
+    rand_lens = jnp.full((batch,), prefix, jnp.int32)
+    init = jax.jit(
+        tree_engine.init_state,
+        static_argnames=("graphdef", "cfg", "draft", "max_new", "capacity", "sampling", "eos"),
+    )
+    s = init(
+        tparams,
+        dparams,
+        rand_ids,
+        rand_lens,
+        jax.random.key(seed),
+        graphdef=graphdef,
+        cfg=cfg,
+        draft=draft,
+        max_new=2,
+        capacity=prefix + shape.capacity + 2,
+        sampling=greedy,
+        eos=(),
+    )
+    grow = jax.jit(draft.grow, static_argnames=("expansions", "width", "branch"))
+    dims = dict(width=shape.width, branch=shape.branch)
+    t_e = median_ms(lambda: grow(dparams, s.draft, expansions=1, **dims).tree.token, reps)
+    grown = grow(dparams, s.draft, expansions=shape.depth, **dims)
+    idx, cnt = T.select_subtree(grown.tree, shape.bs)
+    tb = T.verify_layout(grown.tree, idx, cnt, s.cache.length, s.cache.length)
+    key = jax.random.key(seed + 1)
+    t_v = median_ms(
+        lambda: _tree_verify(
+            tparams,
+            s.cache,
+            tb,
+            key,
+            s.out,
+            s.count,
+            s.done,
+            graphdef=graphdef,
+            sampling=greedy,
+            eos=(),
+        ),
+        reps,
+    )
+    if ids is None:
+        ids, lens = rand_ids, rand_lens
+    (_, _, _, emitted, live), _, _ = execute(
+        tree_engine.decode,
+        tparams,
+        dparams,
+        ids,
+        lens,
+        jax.random.key(seed),
+        graphdef=graphdef,
+        cfg=cfg,
+        draft=draft,
+        shape=shape,
+        max_new=tokens,
+        capacity=ids.shape[1] + tokens + shape.capacity + 2,
+        sampling=greedy,
+        eos=(),
+    )
+    length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+    return TreeMeasurement(
+        shape.depth, shape.width, shape.branch, shape.bs, t_e, t_v, acceptance_length=length
+    )
+
+
 def prefix_bucket(length: int) -> int:
     """Measurements are cached per power-of-two prefix bucket (at least 16)."""
     return max(16, 1 << max(int(length) - 1, 0).bit_length())
@@ -291,13 +438,17 @@ def prefix_bucket(length: int) -> int:
 
 __all__ = [
     "Measurement",
+    "TreeMeasurement",
     "alpha_from_acceptance_length",
     "analytic_times",
     "choose_gamma",
+    "choose_shape",
     "forward_ms",
     "measure",
+    "measure_tree",
     "omega",
     "param_counts",
     "prefix_bucket",
     "relative_time",
+    "tree_relative_time",
 ]

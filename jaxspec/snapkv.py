@@ -131,7 +131,7 @@ def select(
     ring = jnp.where(d < f, d, d + window * jnp.maximum((last - d) // window, 0))  # [b, budget]
     ok = ring < lens[:, None]
     src = jnp.broadcast_to(ring[:, :, None], (b, budget, kh))
-    if f > 0:
+    if 0 < f <= s:  # (f > s: no row is longer than the budget, nothing to choose)
         cand = jnp.arange(s)[None, None, :] < (lens - window)[:, None, None]
         masked = jnp.where(cand, pooled, -jnp.inf)
         _, top = jax.lax.top_k(masked, f)  # [b, kh, f], ties: lower index first

@@ -258,7 +258,10 @@ def test_magicdec_snapkv_batch_sizes(lengths):
 def test_magicdec_auto_gamma(monkeypatch):
     monkeypatch.setattr(magicdec, "GAMMAS", (2, 3))
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
-    r = generate(target, ps, draft=target, sparse="dense", method="magicdec", max_new_tokens=NEW)
+    r = generate(
+        target, ps, draft=target, sparse="dense", method="magicdec", shape="chain",
+        max_new_tokens=NEW,
+    )  # fmt: skip
     assert r.tokens == reference(target, ps)
     assert r.stats["gamma"] in (2, 3)
     cm = r.stats["cost_model"]
@@ -280,5 +283,5 @@ def test_magicdec_user_errors():
     with pytest.raises(OptionError, match="pool"):
         generate(target, ps, draft="self-snapkv", pool="min", **run)
     with pytest.raises(OptionError, match="does not take"):
-        generate(target, ps, draft="self-snapkv", depth=3, **run)
+        generate(target, ps, draft="self-snapkv", ngram=3, **run)
     assert jax.devices()  # keeps the forced-devices conftest honest

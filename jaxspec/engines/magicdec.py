@@ -11,20 +11,31 @@ The decoding loop is the chain engine's (``chain.decode``: the whole loop on dev
 per-row acceptance, EOS per row); this module picks the draft and gamma. ``gamma="auto"`` (the
 default) measures T_T, T_D, T_V(gamma) and alpha on this machine (jaxspec.cost_model) once per
 (models, batch, prefix bucket) and takes the gamma the cost model predicts fastest.
+
+Batched trees (beyond MagicDec, which is chain-only): ``shape="tree"`` verifies a batch of token
+trees instead (the tree engine's loop, ``tree.decode``: best-first growth by the same sparse-KV
+draft, one tree-masked verify of the best ``bs`` nodes per row, ragged per-row acceptance, the
+draft's ring committed along each row's accepted path). ``shape="auto"`` (the default, when
+neither ``gamma`` nor a tree option fixes the shape) also measures the tree (T_E per expansion,
+T_V(bs), its acceptance length) and runs whichever the cost model predicts faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
-from jaxspec import cost_model, drafts
-from jaxspec.engines import chain
+from jaxspec import cost_model, drafts, tree_drafts
+from jaxspec.engines import chain, tree
 from jaxspec.engines.common import execute, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.errors import DraftError, OptionError
 
-OPTIONS = ("gamma", "budget", "sinks", "window", "obs", "pool", "sparse")
+TREE_OPTIONS = ("depth", "width", "branch", "bs")
+OPTIONS = ("gamma", "shape", "budget", "sinks", "window", "obs", "pool", "sparse", *TREE_OPTIONS)
 GAMMAS = range(1, 9)
+SHAPES = ("auto", "chain", "tree")
 
 _MEASURED: dict = {}
 
@@ -65,23 +76,73 @@ def auto_gamma(target, d, dparams, ids, lens, *, gammas=None) -> cost_model.Meas
     return _MEASURED[key]
 
 
-def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
-    reject_unknown("magicdec", options, OPTIONS)
+def tree_draft(d, shape: tree.TreeShape) -> tree_drafts.ModelTreeDraft:
+    """The tree-growing form of a resolved MagicDec draft: the same model, the same sparse
+    (or dense) cache, trees of ``shape.capacity`` nodes."""
+    return tree_drafts.ModelTreeDraft(
+        d.graphdef, d.cfg, shape.capacity, d.sparse, d.reuse_target_cache
+    )
+
+
+def auto_tree(target, td, dparams, shape, ids, lens) -> cost_model.TreeMeasurement:
+    """The cost model's tree measurement for this (target, draft, shape, batch, bucket), cached."""
+    b = ids.shape[0]
+    bucket = cost_model.prefix_bucket(int(lens.max()))
+    key = ("tree", target.config, target.graphdef, td, shape, b, bucket)
+    if key not in _MEASURED:
+        _MEASURED[key] = cost_model.measure_tree(
+            target, td, shape, b, bucket, dparams=dparams, ids=ids, lens=lens
+        )
+    return _MEASURED[key]
+
+
+def resolve_shape(options: dict) -> tuple[str, object, tree.TreeShape]:
+    """Pop ``shape``, ``gamma`` and the tree options: (shape, gamma, tree shape), where shape is
+    "chain", "tree" or "auto" (measure both; a fixed gamma is then the chain candidate) and gamma
+    an int or "auto". Without ``shape``: "chain" when gamma is fixed, "tree" when a tree option
+    is given, else "auto"."""
+    shape = options.pop("shape", None)
+    if shape not in (None, *SHAPES):
+        raise OptionError(f"shape must be one of {', '.join(map(repr, SHAPES))}, got {shape!r}.")
     gamma = options.pop("gamma", "auto")
     if gamma != "auto":
         gamma = positive_int("gamma", gamma, maximum=64)
+    given = sorted(k for k in TREE_OPTIONS if k in options)
+    tshape = tree.TreeShape.from_options(options)
+    if shape is None:  # not given: a fixed gamma means a chain, a tree option a tree
+        shape = "chain" if gamma != "auto" else "tree" if given else "auto"
+    if shape == "chain" and given:
+        raise OptionError(
+            f"{', '.join(given)} shape a tree; pass shape='tree' (or 'auto') to verify trees."
+        )
+    if shape == "tree" and gamma != "auto":
+        raise OptionError(
+            "gamma is the length of a chain; with shape='tree' the tree options "
+            "(depth, width, branch, bs) set its size."
+        )
+    return shape, gamma, tshape
+
+
+def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
+    reject_unknown("magicdec", options, OPTIONS)
+    shape, gamma, tshape = resolve_shape(options)
     d, dparams = resolve_draft(target, draft, **options)
     sp = d.sparse
     top = max(GAMMAS) if gamma == "auto" else gamma
-    if sp is not None and sp.window < top + 1:
+    need = {"chain": top, "tree": tshape.depth, "auto": max(top, tshape.depth)}[shape]
+    if sp is not None and sp.window < need + 1:
         raise OptionError(
             f"the draft's recent window ({sp.window}) must hold a whole speculated block "
-            f"(gamma + 1 = {top + 1} tokens); raise the budget or the window, or lower gamma."
+            f"({need + 1} tokens: gamma + 1 for a chain, depth + 1 for a tree); raise the "
+            "budget or the window, or lower gamma or depth."
         )
     extra = {}
-    if gamma == "auto":
-        m = auto_gamma(target, d, dparams, ids, lens)
-        gamma, speedup = m.choose()
+    td = tree_draft(d, tshape)
+    if shape == "auto" or (shape == "chain" and gamma == "auto"):
+        gammas = None if gamma == "auto" else (gamma,)
+        m = auto_gamma(target, d, dparams, ids, lens, gammas=gammas)
+        tm = auto_tree(target, td, dparams, tshape, ids, lens) if shape == "auto" else None
+        shape, gamma, speedup = cost_model.choose_shape(m, tm)
         extra = {
             "predicted_speedup": speedup,
             "cost_model": {
@@ -92,6 +153,27 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 "prefix_bucket": m.prefix,
             },
         }
+        if tm is not None:
+            extra["cost_model"]["tree"] = {
+                "t_e_ms": tm.t_e,
+                "t_v_ms": tm.t_v,
+                "acceptance_length": tm.acceptance_length,
+                "predicted_speedup": 1.0 / tm.relative_time(m.t_t),
+            }
+    if shape == "tree":
+        out, count, stats = _run_tree(
+            target, td, dparams, ids, lens, tshape, max_new, sampling, eos, seed
+        )
+    else:
+        out, count, stats = _run_chain(
+            target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed
+        )
+    stats["shape"] = shape
+    stats["budget"] = None if sp is None else sp.budget
+    return out, count, {**stats, **extra}
+
+
+def _run_chain(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed):
     static = dict(
         graphdef=target.graphdef,
         cfg=target.config,
@@ -110,5 +192,26 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     )
     stats["gamma"] = gamma
     stats["alpha"] = cost_model.alpha_from_acceptance_length(stats["acceptance_length"], gamma)
-    stats["budget"] = None if sp is None else sp.budget
-    return out, count, {**stats, **extra}
+    return out, count, stats
+
+
+def _run_tree(target, td, dparams, ids, lens, shape, max_new, sampling, eos, seed):
+    static = dict(
+        graphdef=target.graphdef,
+        cfg=target.config,
+        draft=td,
+        shape=shape,
+        max_new=max_new,
+        capacity=ids.shape[1] + max_new + shape.capacity + 2,
+        sampling=sampling,
+        eos=eos,
+    )
+    (out, count, steps, emitted, live), wall_s, compile_s = execute(
+        tree.decode, target.params, dparams, ids, lens, jax.random.key(seed), **static
+    )
+    stats = speculative_stats(
+        steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=shape.depth
+    )
+    stats["gamma"] = None
+    stats["tree"] = dataclasses.asdict(shape)
+    return out, count, stats
