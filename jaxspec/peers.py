@@ -10,10 +10,11 @@
 
 Both models are exported from jaxspec's own parameters (``hf_export.to_hf``), so a difference in
 tokens (``jaxspec.bench`` compares them with the reference run's) is a difference in arithmetic,
-not in weights. Peers run one prompt at a time (HF's
-assisted generation takes batch 1 only), on the GPU when jax runs on one and torch sees CUDA,
-else on the CPU, in the target's dtype. One warm-up ``generate`` is excluded from the timings.
-Acceptance length here is new tokens per forward of the target.
+not in weights. Peers run one prompt at a time (HF's assisted generation takes batch 1 only), on
+the GPU when jax runs on one and torch sees CUDA, else on the CPU with torch's thread count
+(recorded as ``threads``; ``OMP_NUM_THREADS`` sets it: on a CPU shared with other work one thread
+can be many times faster than two), in the target's dtype. One warm-up ``generate`` is excluded
+from the timings. Acceptance length here is new tokens per forward of the target.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def run_peer(
         "draft": draft_name if name == "hf-assisted" else None,
         "options": {"gamma": gamma} if name == "hf-assisted" else {},
         "device": device,
+        **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
         "dtype": str(next(hf.parameters()).dtype).removeprefix("torch."),
         "batch": 1,
         "tokens_per_s": round(new / wall, 3) if wall > 0 else None,

@@ -112,7 +112,7 @@ def test_bench_peers_and_the_chat_set(ckpt, tmp_path, capsys):
         assert all(p["matches_reference"] and p["first_diff"] is None for p in row["per_prompt"])
         assert row["tokens_per_s"] > 0 and row["speedup_vs_first"] > 0
     hf, assisted = r["methods"][2:]
-    assert hf["peer"] and hf["device"] == "cpu" and hf["dtype"] == "float32"
+    assert hf["peer"] and hf["device"] == "cpu" and hf["dtype"] == "float32" and hf["threads"] >= 1
     assert hf["acceptance_length"] == 1.0 and hf["draft"] is None
     assert assisted["draft"] == ckpt.name and assisted["options"] == {"gamma": 2}
     # the draft is the target itself: every drafted token is accepted, up to gamma + 1
