@@ -27,10 +27,23 @@ from pallas_kernels.dispatch import attention
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
 # JAXSPEC_ATTENTION=reference to measure the difference.
 ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
+# Matmuls with fewer rows than this get zero rows appended (0: never). An experiment knob for
+# GPU decode: XLA picks its GEMM kernel by shape, and on the H200 an 8-token verify step ran
+# faster than a 1-token decode step (benchmarks/RESULTS.md). Results per row are unchanged.
+MIN_GEMM_ROWS = int(os.environ.get("JAXSPEC_MIN_GEMM_ROWS", "0"))
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def matmul(x, w):
+    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, with ``MIN_GEMM_ROWS`` applied."""
+    rows = x.size // x.shape[-1]
+    if rows >= MIN_GEMM_ROWS:
+        return x @ w
+    flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, MIN_GEMM_ROWS - rows), (0, 0)))
+    return (flat @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
 class Linear(nnx.Module):
@@ -39,7 +52,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        y = matmul(x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -152,7 +165,7 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        logits = (x @ head).astype(jnp.float32)
+        logits = matmul(x, head).astype(jnp.float32)
         return logits, KVCache(k=ks, v=vs, length=cache.length)
 
 

@@ -61,3 +61,23 @@ def test_truncate_keeps_the_first_layers_and_the_head():
     assert np.abs(np.asarray(one.logits(ids) - model.logits(ids))).max() > 1e-3
     with pytest.raises(jaxspec.OptionError):
         truncate(model, 0)
+
+
+def test_min_gemm_rows_padding_keeps_results(monkeypatch):
+    """The GEMM row padding knob (JAXSPEC_MIN_GEMM_ROWS) changes kernels, not results."""
+    import jaxspec.model as jm
+    from jaxspec.generate import generate
+    from tests import tiny
+
+    m = tiny.model(3)
+    ps = tiny.prompts(5)
+    plain_logits = np.asarray(m.logits([ps[1]]))
+    plain = generate(m, ps, max_new_tokens=12).tokens
+    monkeypatch.setattr(jm, "MIN_GEMM_ROWS", 8)
+    jax.clear_caches()
+    from jaxspec.engines import common
+
+    common._COMPILED.clear()
+    np.testing.assert_allclose(np.asarray(m.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5)
+    assert generate(m, ps, max_new_tokens=12).tokens == plain
+    assert generate(m, ps, method="chain", draft="ngram", max_new_tokens=12).tokens == plain
