@@ -74,6 +74,7 @@ SMOKE = ModelConfig(
     head_dim=16,
     max_position_embeddings=4096,
 )
+DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
 SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}
 
 
@@ -180,7 +181,12 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
     t0 = time.perf_counter()
     exe = loop.lower(params, cache, tok).compile()
     compile_s = time.perf_counter() - t0
-    counts = kernel_count(exe.as_text())
+    text = exe.as_text()
+    counts = kernel_count(text)
+    if DUMP_HLO:
+        pathlib.Path(DUMP_HLO).mkdir(parents=True, exist_ok=True)
+        name = case.name.replace(":", "_") + "_" + os.environ.get("JAXSPEC_LABEL", "default")
+        (pathlib.Path(DUMP_HLO) / f"{name}.hlo.txt").write_text(text)
     state = {"cache": cache}
 
     def once():
