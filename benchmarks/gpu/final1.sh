@@ -14,7 +14,7 @@ run() {  # label, budget, cases, XLA flags
     --budget-s "$2" --cases "$3" --out "$J" 2>&1 | grep -v "^\s*$" | grep -v "^W0000\|^I0000" | grep -v '^{' | tail -5
 }
 JAXSPEC_DUMP_HLO="$OUT/hlo" run default 40 smol:1:1024:1,8b:1:4096:1
-JAXSPEC_MIN_GEMM_ROWS=8 JAXSPEC_DUMP_HLO="$OUT/hlo" run pad8 60 smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:1:2
+JAXSPEC_MIN_GEMM_ROWS=8 run pad8 60 smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:1:2
 JAXSPEC_MIN_GEMM_ROWS=16 run pad16 30 smol:1:1024:1,8b:1:4096:1
 python3 - "$J" <<'PY'
 import json, sys
