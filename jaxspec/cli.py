@@ -148,6 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also print the tokens/s implied at this acceptance length",
     )
+    pr.add_argument(
+        "--method",
+        default="swiftspec",
+        choices=("swiftspec", "magicdec"),
+        help="swiftspec (default): device split and d; magicdec: the cost-model table (T_T, "
+        "T_D, T_V(gamma), alpha, predicted speedup per gamma, chosen gamma and shape) per batch "
+        "and prefix",
+    )
+    pr.add_argument("--batches", default="1", help="magicdec: comma-separated batch sizes")
+    pr.add_argument(
+        "--prefixes", default=None, help="magicdec: comma-separated prefix lengths "
+        "(default: --prompt-tokens)",
+    )  # fmt: skip
+    pr.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="magicdec: gammas to measure")
+    pr.add_argument("--budget", type=int, default=256, help="magicdec: the draft's KV budget")
+    pr.add_argument(
+        "--tree", action="store_true", help="magicdec: also measure a batched tree (--depth, "
+        "--width, --branch, --bs) and compare it with the chains",
+    )  # fmt: skip
+    pr.add_argument("--depth", type=int, default=4, help="magicdec --tree: expansions per tree")
     _add_distill_parser(sub)
     return parser
 
@@ -157,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 DISTILL_OPTIONS = (
     ("--layers", "layers", int, "decoder layers of the draft"),
     ("--intermediate", "intermediate", int, "MLP width of the draft"),
-    ("--init", "init", str, "copy (target layers, MLP trimmed) or random"),
+    ("--init", "init", str, "copy (the target's first layers, MLP trimmed), copy-spread, random"),
     ("--seq-len", "seq_len", int, "tokens per training window"),
     ("--batch", "batch", int, "windows per step"),
     ("--steps", "steps", int, "the most optimizer steps (a --budget-s may fix fewer)"),
@@ -378,6 +398,8 @@ def cmd_profile(args) -> int:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
     target = _load_target(args)
     draft = _load_draft(args, target)
+    if args.method == "magicdec":
+        return _profile_magicdec(args, target, draft)
     prompt = [int(target.config.bos_token_id or 1)] * args.prompt_tokens
     head = f"{'target':>6} {'draft':>5} {'verify ms':>10} {'expand ms':>10} {'handoff ms':>11} "
     head += f"{'d':>3} {'iteration ms':>13}"
@@ -398,6 +420,76 @@ def cmd_profile(args) -> int:
     print(
         f"\nbest: target on {best.target_devices} device(s), draft on {best.draft_devices}, "
         f"d = {best.d} (iteration {best.iteration_ms:.3f} ms)"
+    )
+    return 0
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    from jaxspec.errors import OptionError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise OptionError(f"{flag} takes comma-separated positive integers, got {text!r}.")
+    return values
+
+
+def _profile_magicdec(args, target, draft) -> int:
+    from jaxspec import datasets
+    from jaxspec.engines import magicdec, tree
+
+    batches = _int_list("--batches", args.batches)
+    prefixes = _int_list("--prefixes", args.prefixes or str(args.prompt_tokens))
+    gammas = _int_list("--gammas", args.gammas)
+    shape = None
+    if args.tree:
+        shape = tree.TreeShape.from_options(
+            dict(depth=args.depth, width=args.width, branch=args.branch, bs=args.bs)
+        )
+    prompts = None
+    if target.tokenizer is not None:  # alpha on real long documents (see jaxspec.datasets)
+
+        def prompts(b, p):
+            return datasets.longdoc_prompts(target.tokenizer, b, p)
+
+    print(
+        f"{'batch':>5} {'prefix':>6} {'T_T ms':>8} {'T_D ms':>8} {'alpha':>5} {'gamma':>5} "
+        f"{'T_V ms':>8} {'speedup':>7}"
+    )
+
+    def row(r):
+        for i, g in enumerate(sorted(r["t_v_ms"])):
+            lead = (
+                f"{r['batch']:>5} {r['prefix']:>6} {r['t_t_ms']:>8.3f} {r['t_d_ms']:>8.3f} "
+                f"{r['alpha']:>5.2f}"
+                if i == 0
+                else " " * 37
+            )
+            mark = " <" if r["shape"] == "chain" and g == r["gamma"] else ""
+            print(f"{lead} {g:>5} {r['t_v_ms'][g]:>8.3f} {r['predicted_speedup'][g]:>6.2f}x{mark}")
+        if "tree" in r:
+            t = r["tree"]
+            mark = " <" if r["shape"] == "tree" else ""
+            print(
+                f"{'':>37} tree d{t['depth']} w{t['width']} k{t['branch']} bs{t['bs']}: "
+                f"T_E {t['t_e']:.3f} ms, T_V {t['t_v']:.3f} ms, accepted length "
+                f"{t['acceptance_length']:.2f}, {t['predicted_speedup']:.2f}x{mark}"
+            )
+        what = f"chain, gamma {r['gamma']}" if r["shape"] == "chain" else "tree"
+        print(f"{'':>37} chosen: {what} (predicted {r['speedup']:.2f}x)", flush=True)
+
+    magicdec.profile(
+        target,
+        draft,
+        batches,
+        prefixes,
+        gammas=gammas,
+        tree_shape=shape,
+        prompts=prompts,
+        progress=row,
+        budget=args.budget,
     )
     return 0
 

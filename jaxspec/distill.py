@@ -16,9 +16,12 @@ Recipe (``distill``):
    ``HOLDOUT["humaneval"] = 20`` HumanEval prompts, the ones the benchmarks measure, are **never**
    used. Each document is prompt + continuation; the documents are concatenated and cut into
    windows of ``seq_len`` tokens. Stored in ``OUT/data/`` (reused by ``--resume``).
-2. **Init**: the draft's layers are copies of target layers spread over its depth (first and
-   last for two), each MLP trimmed to the ``intermediate`` units with the largest
-   ``|gate| * |up| * |down|`` weight norms, and the target's final norm.
+2. **Init** (``init="copy"``): the draft's layers are copies of the target's first layers, each
+   MLP trimmed to the ``intermediate`` units with the largest ``|gate| * |up| * |down|`` weight
+   norms, and the target's final norm. On SmolLM2-135M-Instruct (HumanEval text, before
+   training) layers 0-1 gave KL 14.9 nats and 15% top-1 agreement; layers 0 and 29
+   (``init="copy-spread"``: spread over the depth, first and last) gave KL 72 and 0%: the last
+   layer expects the residual stream of layer 28, not of layer 0. ``init="random"`` also exists.
 3. **Training**: in one jitted step the target's forward gives the teacher logits on the fly;
    the loss is ``KL(target || draft)`` over the full vocabulary plus ``ce_weight`` times the
    cross-entropy of the draft on the target's greedy token, averaged over positions. AdamW (weight
@@ -76,7 +79,7 @@ class Recipe:
 
     layers: int = 2
     intermediate: int = 512
-    init: str = "copy"  # "copy": target layers (spread, MLP trimmed); "random"
+    init: str = "copy"  # "copy": the target's first layers; "copy-spread"; "random"
     seq_len: int = 512
     batch: int = 16
     steps: int = 1000  # the most steps; a budget may fix fewer before warmup ends
@@ -118,6 +121,7 @@ class Optim:
         return cls(**{f.name: getattr(recipe, f.name) for f in dataclasses.fields(cls)})
 
 
+INITS = ("copy", "copy-spread", "random")
 RECIPE_FIELDS = {f.name for f in dataclasses.fields(Recipe)}
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataSpec)}
 
@@ -143,22 +147,22 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
     pos_float("weight_decay", recipe.weight_decay, strict=False)
     pos_float("clip", recipe.clip)
     pos_float("ce_weight", recipe.ce_weight, strict=False)
-    if recipe.init not in ("copy", "random"):
-        raise OptionError(f"init must be 'copy' or 'random', got {recipe.init!r}.")
+    if recipe.init not in INITS:
+        raise OptionError(f"init must be one of {', '.join(INITS)}, got {recipe.init!r}.")
     cfg = target.config
     if recipe.seq_len + 1 > cfg.max_position_embeddings:
         raise OptionError(
             f"seq_len={recipe.seq_len} does not fit the target's context of "
             f"{cfg.max_position_embeddings} tokens; lower it."
         )
-    if recipe.init == "copy" and recipe.layers > cfg.num_layers:
+    if recipe.init != "random" and recipe.layers > cfg.num_layers:
         raise OptionError(
-            f"init='copy' takes layers from the target, which has {cfg.num_layers}; ask for "
-            f"at most {cfg.num_layers} layers or use init='random'."
+            f"init={recipe.init!r} takes layers from the target, which has {cfg.num_layers}; "
+            f"ask for at most {cfg.num_layers} layers or use init='random'."
         )
-    if recipe.init == "copy" and recipe.intermediate > cfg.intermediate_size:
+    if recipe.init != "random" and recipe.intermediate > cfg.intermediate_size:
         raise OptionError(
-            f"init='copy' trims the target's MLP of {cfg.intermediate_size} units; "
+            f"init={recipe.init!r} trims the target's MLP of {cfg.intermediate_size} units; "
             f"intermediate must be at most that, got {recipe.intermediate}."
         )
     for name in ("samples", "seed"):
@@ -270,7 +274,10 @@ def init_draft(target: Model, recipe: Recipe) -> dict:
         return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _trainable(pure))
     tp = _pure(target.params)
     n_t = target.config.num_layers
-    picks = np.linspace(0, n_t - 1, recipe.layers).round().astype(int).tolist()
+    if recipe.init == "copy-spread":
+        picks = np.linspace(0, n_t - 1, recipe.layers).round().astype(int).tolist()
+    else:
+        picks = list(range(recipe.layers))
     layers = {}
     for i, src in enumerate(picks):
         layer = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), tp["layers"][src])
