@@ -215,3 +215,70 @@ def _run_tree(target, td, dparams, ids, lens, shape, max_new, sampling, eos, see
     stats["gamma"] = None
     stats["tree"] = dataclasses.asdict(shape)
     return out, count, stats
+
+
+def profile(
+    target,
+    draft,
+    batches,
+    prefixes,
+    *,
+    gammas=None,
+    tree_shape: tree.TreeShape | None = None,
+    prompts=None,
+    progress=None,
+    **draft_options,
+) -> list[dict]:
+    """The cost model's table for ``target`` and ``draft`` (``jaxspec profile --method
+    magicdec``): for each batch and prefix, measured T_T, T_D, T_V(gamma) and alpha, the
+    predicted speedup per gamma, the tree's terms when ``tree_shape`` is given, and the chosen
+    shape and gamma. ``prompts(batch, prefix)`` gives the token-id prompts alpha is measured on
+    (default: random tokens). ``progress(row)`` is called after each (batch, prefix)."""
+    from jaxspec.engines.common import pad_prompts
+
+    gammas = tuple(sorted(set(GAMMAS if gammas is None else gammas)))
+    d, dparams = resolve_draft(target, draft, **draft_options)
+    need = max(max(gammas), tree_shape.depth if tree_shape else 0)
+    if d.sparse is not None and d.sparse.window < need + 1:
+        raise OptionError(
+            f"the draft's recent window ({d.sparse.window}) must hold {need + 1} tokens "
+            "(the largest gamma or the tree depth, plus one); raise the budget or lower them."
+        )
+    rows = []
+    for b in batches:
+        for p in prefixes:
+            ids = lens = None
+            if prompts is not None:
+                ids, lens = pad_prompts(prompts(b, p))
+            m = cost_model.measure(target, d, b, p, gammas, dparams=dparams, ids=ids, lens=lens)
+            tm = None
+            if tree_shape is not None:
+                tm = cost_model.measure_tree(
+                    target, tree_draft(d, tree_shape), tree_shape, b, p, dparams=dparams,
+                    ids=ids, lens=lens,
+                )  # fmt: skip
+            shape, gamma, speedup = cost_model.choose_shape(m, tm)
+            row = {
+                "batch": b,
+                "prefix": p,
+                "t_t_ms": m.t_t,
+                "t_d_ms": m.t_d,
+                "alpha": m.alpha,
+                "t_v_ms": dict(m.t_v),
+                "predicted_speedup": {
+                    g: 1.0 / cost_model.relative_time(g, m.alpha, m.t_d, m.t_t, m.t_v[g])
+                    for g in gammas
+                },
+                "shape": shape,
+                "gamma": gamma,
+                "speedup": speedup,
+            }
+            if tm is not None:
+                row["tree"] = {
+                    **dataclasses.asdict(tm),
+                    "predicted_speedup": 1.0 / tm.relative_time(m.t_t),
+                }
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
