@@ -10,7 +10,8 @@
 # "h200" section merged in). Bounded: the conversion of the GGUF (once, ~30 s), the distillation
 # (--budget-s $DISTILL_BUDGET: data generation <= $GEN_BUDGET s, then training until the budget;
 # the step count is fixed from the measured step time), the benchmark (--budget-s $BENCH_BUDGET).
-# Each stage also runs under `timeout`. Expected total: about 8 minutes.
+# Each stage also runs under `timeout` (worst case 120 + 285 + 195 s = 10 min); expected total
+# about 7 minutes. The draft tar is written before the benchmark starts.
 set -u
 source benchmarks/gpu/env.sh
 : "${OUT:?set OUT to the output folder}"
@@ -18,7 +19,7 @@ PY=${PY:-python3}
 RUN=${RUN_DIR:-$HOME/distill-run}
 DISTILL_BUDGET=${DISTILL_BUDGET:-240}
 GEN_BUDGET=${GEN_BUDGET:-100}
-BENCH_BUDGET=${BENCH_BUDGET:-170}
+BENCH_BUDGET=${BENCH_BUDGET:-150}
 # 368 prompts (HumanEval 21-164 raw and chat-wrapped, MT-Bench), 1 greedy + 12 sampled
 # continuations each, 256 new tokens: ~1.8M tokens. 2-layer draft (MLP 512): ~7 MB in bf16.
 DISTILL_ARGS=${DISTILL_ARGS:---data humaneval,chat,humaneval@chat --samples 12 --temperature 0.8
@@ -39,12 +40,12 @@ if ! $PY -c "import gguf" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     --target ~/site .whl/*.whl
 fi
 echo "== convert the default model (once)"
-timeout 300 $PY -c "from jaxspec.default_model import default_checkpoint as d; print(d())" \
+timeout 120 $PY -c "from jaxspec.default_model import default_checkpoint as d; print(d())" \
   2>&1 | tail -2
 
 echo "== distill (budget ${DISTILL_BUDGET} s, data <= ${GEN_BUDGET} s)"
 # shellcheck disable=SC2086
-timeout $((DISTILL_BUDGET + 120)) $PY -m jaxspec.cli distill --out "$RUN" $DISTILL_ARGS \
+timeout $((DISTILL_BUDGET + 45)) $PY -m jaxspec.cli distill --out "$RUN" $DISTILL_ARGS \
   --budget-s "$DISTILL_BUDGET" --gen-budget-s "$GEN_BUDGET" > "$OUT/distill.log" 2>&1
 echo "distill exit $?"
 tr '\r' '\n' < "$OUT/distill.log" | grep -v '^\s*$' | awk 'NR % 20 == 0' | tail -8
@@ -57,6 +58,6 @@ ls -l "$OUT/smollm2-135m-instruct-draft.tar"
 
 echo "== bench_distill (budget ${BENCH_BUDGET} s)"
 # shellcheck disable=SC2086
-timeout $((BENCH_BUDGET + 120)) $PY benchmarks/bench_distill.py --draft "$RUN/draft" \
+timeout $((BENCH_BUDGET + 45)) $PY benchmarks/bench_distill.py --draft "$RUN/draft" \
   --device-tag "${DEVICE_TAG:-h200}" --budget-s "$BENCH_BUDGET" --out "$OUT/distill.json" \
   $BENCH_ARGS 2>&1 | tee "$OUT/bench_distill.log" | grep -v '^\s*$' | tail -8
