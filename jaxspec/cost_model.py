@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.timing import median_ms
+from jaxspec.timing import chained_ms
 
 
 def omega(gamma: int, alpha: float) -> float:
@@ -165,12 +165,30 @@ class Measurement:
         return choose_gamma(self.t_d, self.t_t, self.t_v, self.alpha, gammas or sorted(self.t_v))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+# The timed pieces donate the cache they write (as the engines' loops do) and hand it back, so
+# a timing never includes a copy of the whole cache; lengths are kept, so calls repeat.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(1,))
 def _verify(tparams, cache, token, x, q, key, *, graphdef, sampling):
-    """The chain engine's own verify, timed (the target over gamma + 1 tokens, then the rule)."""
+    """The chain engine's own verify (the target over gamma + 1 tokens, then the rule)."""
     from jaxspec.engines.chain import verify
 
-    return verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)[:2]
+    return verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)[2]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
+def _ar_step(graphdef, tparams, s, *, sampling):
+    from jaxspec.engines import autoregressive
+
+    out = autoregressive.step(graphdef, tparams, s, sampling=sampling, eos=())
+    out.cache.length = s.cache.length
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "sampling"), donate_argnums=(1,))
+def _propose(dparams, dstate, key, *, draft, sampling):
+    return draft.propose(dparams, dstate, key, 1, sampling)[2]
 
 
 def measure(
@@ -249,22 +267,23 @@ def measure(
         jnp.zeros((), jnp.int32),
         key,
     )
-    ar_step = jax.jit(autoregressive.step, static_argnames=("graphdef", "sampling", "eos"))
-    t_t = median_ms(lambda: ar_step(graphdef, tparams, ar, sampling=greedy, eos=()).token, reps)
+    t_t = chained_ms(lambda st: _ar_step(graphdef, tparams, st, sampling=greedy), ar, reps)
 
     # T_D: one draft step (propose with gamma = 1 is exactly one draft forward)
-    propose = jax.jit(draft.propose, static_argnames=("gamma", "sampling"))
-    t_d = median_ms(lambda: propose(dparams, s.draft, key, gamma=1, sampling=greedy)[0], reps)
+    t_d = chained_ms(
+        lambda ds: _propose(dparams, ds, key, draft=draft, sampling=greedy), s.draft, reps
+    )
 
     # T_V(gamma): one verify of gamma + 1 tokens
     t_v = {}
     for g in gammas:
         x = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, g)), jnp.int32)
         q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
-        t_v[g] = median_ms(
-            lambda x=x, q=q: _verify(
-                tparams, s.cache, s.token, x, q, key, graphdef=graphdef, sampling=greedy
-            )[0],
+        t_v[g] = chained_ms(
+            lambda c, x=x, q=q: _verify(
+                tparams, c, s.token, x, q, key, graphdef=graphdef, sampling=greedy
+            ),
+            s.cache,
             reps,
         )
 
@@ -327,14 +346,20 @@ def choose_shape(
     return "chain", gamma, speedup
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"), donate_argnums=(1,))
 def _tree_verify(tparams, cache, tb, key, out, count, done, *, graphdef, sampling, eos):
     from jaxspec.engines.tree import verify_and_commit
 
     v = verify_and_commit(
         tparams, cache, tb, key, out, count, done, graphdef=graphdef, sampling=sampling, eos=eos
     )
-    return v.n
+    v.cache.length = cache.length
+    return v.cache
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "width", "branch"), donate_argnums=(1,))
+def _grow_once(dparams, dstate, *, draft, width, branch):
+    return draft.grow(dparams, dstate, expansions=1, width=width, branch=branch)
 
 
 def measure_tree(
@@ -387,15 +412,15 @@ def measure_tree(
     )
     grow = jax.jit(draft.grow, static_argnames=("expansions", "width", "branch"))
     dims = dict(width=shape.width, branch=shape.branch)
-    t_e = median_ms(lambda: grow(dparams, s.draft, expansions=1, **dims).tree.token, reps)
     grown = grow(dparams, s.draft, expansions=shape.depth, **dims)
+    t_e = chained_ms(lambda ds: _grow_once(dparams, ds, draft=draft, **dims), s.draft, reps)
     idx, cnt = T.select_subtree(grown.tree, shape.bs)
     tb = T.verify_layout(grown.tree, idx, cnt, s.cache.length, s.cache.length)
     key = jax.random.key(seed + 1)
-    t_v = median_ms(
-        lambda: _tree_verify(
+    t_v = chained_ms(
+        lambda c: _tree_verify(
             tparams,
-            s.cache,
+            c,
             tb,
             key,
             s.out,
@@ -405,6 +430,7 @@ def measure_tree(
             sampling=greedy,
             eos=(),
         ),
+        s.cache,
         reps,
     )
     if ids is None:

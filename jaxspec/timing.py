@@ -17,3 +17,19 @@ def median_ms(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def chained_ms(fn, state, reps: int) -> float:
+    """Median milliseconds of ``state = fn(state)`` after one warm-up call, starting from a copy
+    of ``state`` (which stays valid). ``fn`` should donate its state: a step that writes a KV
+    cache in place then costs what it costs inside the engines' loops; without donation every
+    call would also copy the whole cache."""
+    import jax.numpy as jnp
+
+    state = jax.block_until_ready(fn(jax.tree.map(jnp.copy, state)))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
