@@ -208,3 +208,18 @@ def test_cli_distills_and_generates_with_the_draft(tmp_path, capsys):
     # resuming a finished run with another recipe value is refused, exit 2
     assert cli.main([*argv[:5], "--resume", "--lr", "0.5"]) == 2
     assert "lr=" in capsys.readouterr().err
+
+
+def test_a_failed_write_leaves_no_draft(run, target, tmp_path, monkeypatch):
+    out = tmp_path / "fail"
+    out.mkdir()
+    shutil.copytree(run.path.parent / "data", out / "data")
+
+    def boom(tmp, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(D, "_replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        D.distill(target, out, prompts=PROMPTS, steps=2, **RUN)
+    assert not (out / "draft").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".draft")]

@@ -22,7 +22,7 @@ GEN_BUDGET=${GEN_BUDGET:-100}
 BENCH_BUDGET=${BENCH_BUDGET:-150}
 # 368 prompts (HumanEval 21-164 raw and chat-wrapped, MT-Bench), 1 greedy + 12 sampled
 # continuations each, 256 new tokens: ~1.8M tokens. 2-layer draft (MLP 512): ~7 MB in bf16.
-DISTILL_ARGS=${DISTILL_ARGS:---data humaneval,chat,humaneval@chat --samples 12 --temperature 0.8
+DISTILL_ARGS=${DISTILL_ARGS:---data humaneval,chat,humaneval@chat --samples 12 --temperature 0.7
   --max-new-tokens 256 --gen-batch 256 --seq-len 512 --batch 32 --steps 4000 --warmup 40
   --lr 1e-3 --layers 2 --intermediate 512 --save-every 200}
 BENCH_ARGS=${BENCH_ARGS:-}
