@@ -101,6 +101,7 @@ def draw(plan: Plan, data: dict, path: pathlib.Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
     title = f"{data.get('device', '')} · {plan.caption}".strip(" ·")
@@ -128,6 +129,7 @@ def draw(plan: Plan, data: dict, path: pathlib.Path) -> None:
         ax.hist(samples, bins=bins, label=[label(r).replace("\n", " + ") for r in rows])
         ax.set_xlabel("acceptance length (tokens per verification)")
         ax.set_ylabel("prompts")
+        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.legend(fontsize=8)
     elif plan.kind == "speedup":
         rows = data["rows"]
