@@ -37,7 +37,9 @@ def test_every_named_set_has_a_source_with_a_licence():
     for name, source in datasets.SOURCES.items():
         assert "licence" in source.lower(), name
         prompts, said = datasets.load(name, 2)
-        assert len(prompts) == 2 and said == source
+        # a source may fill in details (e.g. a version) where its template has {}
+        assert len(prompts) == 2 and said.startswith(source.split("{")[0])
+        assert "licence" in said.lower(), name
 
 
 @pytest.mark.parametrize(
