@@ -117,8 +117,8 @@ def longdoc(n: int | None = None, *, words: int = 1200) -> list[str]:
 
 
 def longdoc_prompts(tokenizer, n: int, tokens: int, *, chat: bool = True) -> list[list[int]]:
-    """``n`` prompts of about ``tokens`` token ids each (exactly, unless the cut's re-encoding
-    merges across the boundary): a document cut from the token ids of ``longdoc_text()`` with
+    """``n`` prompts of ``tokens`` token ids each (exactly, unless re-encoding the cut text keeps
+    changing its length at the edges): a document cut from the token ids of ``longdoc_text()`` with
     ``tokenizer``, then ``LONGDOC_INSTRUCTION``, wrapped as one user turn in the chat template
     (``chat``). Documents start at different places of the text (see ``_cuts``)."""
     from jaxspec.prompts import encode_text
@@ -130,11 +130,16 @@ def longdoc_prompts(tokenizer, n: int, tokens: int, *, chat: bool = True) -> lis
             f"template), got {tokens}."
         )
     ids = [int(x) for x in tokenizer.encode(longdoc_text())]
-    length = tokens - overhead
     out = []
-    for s in _cuts(len(ids), n, length):
-        doc = tokenizer.decode(_cyclic(ids, s, length))
-        out.append(encode_text(tokenizer, doc + "\n\n" + LONGDOC_INSTRUCTION, chat=chat))
+    for s in _cuts(len(ids), n, tokens - overhead):
+        length = tokens - overhead
+        for _ in range(4):  # re-cut when re-encoding merged or split tokens at the edges
+            doc = tokenizer.decode(_cyclic(ids, s, length))
+            prompt = encode_text(tokenizer, doc + "\n\n" + LONGDOC_INSTRUCTION, chat=chat)
+            if len(prompt) == tokens:
+                break
+            length -= len(prompt) - tokens
+        out.append(prompt)
     return out
 
 

