@@ -195,6 +195,15 @@ def ar_table(d: dict) -> str:
     return text + "\n\n" + "; ".join([s for s in setup if s] + facts) + "."
 
 
+# the setup line of a spec-core style table: (key, text) for the keys a JSON has
+SETUP = (
+    ("dataset", "dataset: {}"),
+    ("max_new_tokens", "max_new_tokens {}"),
+    ("batch", "batch {}"),
+    ("gamma", "gamma {}"),
+)
+
+
 def method_table(d: dict) -> str:
     """``jaxspec bench`` JSON (``methods``) or spec-core JSON (``results``)."""
     rows = plots_mod.method_rows(d)
@@ -202,6 +211,9 @@ def method_table(d: dict) -> str:
     bench = "methods" in d
     head = ["method", "draft", "options", "tokens/s", "acceptance length"]
     head += ["ms/token p50", "p95", "vs first", "same tokens"] if bench else ["vs autoregressive"]
+    same_col = not bench and any("identical_to_autoregressive" in r for r in rows)
+    if same_col:
+        head.append("same tokens as autoregressive")
     out = []
     for r in rows:
         name = r["method"]
@@ -211,7 +223,10 @@ def method_table(d: dict) -> str:
                 if not r.get("skipped")
                 else " (HF)"
             )
-        line = [name, r.get("draft") or "-", r.get("options") or "-"]
+        draft = r.get("draft")
+        if draft in (None, "-", "") and r.get("name") not in (None, r["method"]):
+            draft = r["name"]
+        line = [name, draft or "-", r.get("options") or "-"]
         if r.get("skipped"):
             line += [f"skipped: {r['skipped']}"] + ["-"] * (len(head) - 4)
         elif bench:
@@ -230,11 +245,15 @@ def method_table(d: dict) -> str:
                 same,
             ]
         else:
+            speedup = r.get("speedup_vs_ar", r.get("speedup_vs_autoregressive"))
             line += [
                 r.get("tokens_per_s"),
                 r.get("acceptance_length_mean", r.get("acceptance_length")),
-                f"{fmt(r.get('speedup_vs_ar'))}x",
+                f"{fmt(speedup)}x",
             ]
+            if same_col:
+                same = r.get("identical_to_autoregressive")
+                line.append("-" if same is None else f"{same}/{r.get('prompts', '?')}")
         out.append(line)
     setup = []
     if d.get("model"):
@@ -246,9 +265,35 @@ def method_table(d: dict) -> str:
         setup.append(f"max_new_tokens {d.get('max_new_tokens')}, batch {d.get('batch')}")
         setup.append(f"tokens compared with {d.get('reference', 'the first method')}")
     else:
-        setup.append(f"dataset: {d.get('dataset')}")
-        setup.append(f"max_new_tokens {d.get('max_new_tokens')}, batch {d.get('batch')}")
+        for key, text in SETUP:
+            if d.get(key) is not None:
+                setup.append(text.format(d[key]))
     return table(head, out) + "\n\n" + "; ".join(str(s) for s in setup) + "."
+
+
+def sections_body(name: str, d: dict) -> str:
+    """A JSON with one section per device (e.g. distill.json's "cpu" and "h200"): each section's
+    own metadata, method table and plots, then the rest as a key/value table."""
+    parts = []
+    for key in plots_mod.sections(d):
+        sub = d[key]
+        m = metadata(sub, {})
+        parts.append(
+            f"### {key}\n\n{m['date']} · {m['device']} · jax {m['jax']} · commit {m['commit']}"
+            f"\n\nCommand: `{m['command']}`\n\n{method_table(sub)}"
+        )
+        said = {*plots_mod.METHOD_KEYS, "model", *(k for k, _ in SETUP)}
+        rest = {k: v for k, v in sub.items() if k not in said}
+        scalars = [(k, v) for k, v in flatten(rest) if k not in META]
+        if scalars:
+            parts.append(table(["key", "value"], [[f"`{k}`", v] for k, v in scalars]))
+        for plan in plots_mod.plans(f"{name}_{key}", sub, key):
+            parts.append(f"![{name} {key}: {plan.caption}](plots/{plan.file})")
+    rest = {k: v for k, v in d.items() if k not in plots_mod.sections(d) and k not in META}
+    scalars = flatten(rest)
+    if scalars:
+        parts.append(table(["key", "value"], [[f"`{k}`", v] for k, v in scalars]))
+    return "\n\n".join(parts)
 
 
 def kernels_table(d: dict) -> str:
@@ -287,6 +332,8 @@ def body_table(name: str, d: dict) -> str:
             return method_table(d)
         if isinstance(d.get("results"), list) and d["results"] and "impl" in d["results"][0]:
             return kernels_table(d)
+        if plots_mod.sections(d):
+            return sections_body(name, d)
     except (KeyError, TypeError, ValueError, AttributeError):
         pass
     return generic(d)
@@ -321,7 +368,8 @@ def section(name: str, data: dict | None, notes: str | None, source: str) -> str
     if data is not None:
         parts.append(body_table(name, data))
         for plan in plots_mod.plans(name, data):
-            parts.append(f"![{name}: {plan.caption}](plots/{plan.file})")
+            if plan.section is None:  # a section's plots sit in its own part
+                parts.append(f"![{name}: {plan.caption}](plots/{plan.file})")
     if body:
         parts.append(body)
     return "\n\n".join(parts)

@@ -33,11 +33,15 @@ class Plan:
     file: str  # PNG file name under the plots folder
     kind: str  # "tokens_per_s" | "acceptance" | "speedup"
     caption: str
+    section: str | None = None  # key of a per-device section (e.g. distill.json's "cpu")
+
+
+METHOD_KEYS = ("methods", "results")
 
 
 def method_rows(data: dict) -> list[dict]:
     """Per-method rows of a bench JSON (``methods``) or a spec-core JSON (``results``)."""
-    for key in ("methods", "results"):
+    for key in METHOD_KEYS:
         rows = data.get(key)
         if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
             if any("tokens_per_s" in r and "method" in r for r in rows):
@@ -45,8 +49,16 @@ def method_rows(data: dict) -> list[dict]:
     return []
 
 
+def sections(data: dict) -> list[str]:
+    """Keys of per-device sections: dict values that hold method rows of their own (a JSON such
+    as distill.json keeps one section per device)."""
+    return [k for k, v in data.items() if isinstance(v, dict) and method_rows(v)]
+
+
 def label(row: dict) -> str:
     draft = row.get("draft")
+    if draft in (None, "-", "") and row.get("name") not in (None, row["method"]):
+        draft = row["name"]
     text = str(row["method"]) + (" (HF)" if row.get("peer") else "")
     if draft not in (None, "-", ""):
         text += f"\n{draft}"
@@ -73,19 +85,23 @@ def speedup_key(rows: list[dict]) -> str | None:
     return None
 
 
-def plans(name: str, data: dict) -> list[Plan]:
+def plans(name: str, data: dict, section: str | None = None) -> list[Plan]:
     out = []
     rows = method_rows(data)
     if [r for r in rows if r.get("tokens_per_s")]:
-        out.append(Plan(f"{name}_tokens_per_s.png", "tokens_per_s", "tokens/s by method"))
+        out.append(Plan(f"{name}_tokens_per_s.png", "tokens_per_s", "tokens/s by method", section))
     if any(speculative(r) for r in rows):
         out.append(
             Plan(
                 f"{name}_acceptance.png",
                 "acceptance",
                 "per-prompt acceptance lengths (tokens per verification)",
+                section,
             )
         )
+    if section is None and not rows:
+        for key in sections(data):
+            out += plans(f"{name}_{key}", data[key], key)
     srows = data.get("rows")
     if isinstance(srows, list) and srows and speedup_key(srows):
         out.append(
@@ -103,6 +119,8 @@ def draw(plan: Plan, data: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    if plan.section is not None:
+        data = data[plan.section]
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
     title = f"{data.get('device', '')} · {plan.caption}".strip(" ·")
     if plan.kind == "tokens_per_s":

@@ -99,6 +99,46 @@ MAGICDEC = {
         ]
     ],
 }
+
+
+def _distill_section(device, commit, tps):
+    rows = [
+        ("autoregressive", "autoregressive", tps, 1.0, 1.0),
+        ("distilled", "chain", 2 * tps, 2.75, 2.0),
+        ("ngram", "chain", 1.5 * tps, 2.25, 1.5),
+    ]
+    return {
+        "date": "2026-12-01",
+        "device": device,
+        "jax": "0.11.2",
+        "commit": commit,
+        "command": "python benchmarks/bench_distill.py",
+        "gamma": 4,
+        "draft": {"layers": 2, "stored_bytes": 4000000},
+        "results": [
+            {
+                "name": n,
+                "method": m,
+                "options": {"gamma": 4} if m == "chain" else {},
+                "prompts": 2,
+                "tokens_per_s": t,
+                "acceptance_length_mean": a,
+                "identical_to_autoregressive": 2,
+                "speedup_vs_autoregressive": s,
+                "per_prompt": [{"acceptance_length": a}, {"acceptance_length": a + 0.5}],
+            }
+            for n, m, t, a, s in rows
+        ],
+    }
+
+
+DISTILL = {
+    "cpu": _distill_section("CPU (2 cores, x86_64)", "1111111", 20.0),
+    "h200": _distill_section("NVIDIA H200 x2", "2222222", 700.0),
+    "date": "2026-12-01",
+    "device": "NVIDIA H200 x2",
+    "what": "acceptance per draft",
+}
 UNKNOWN = {"device": "NVIDIA H200", "ms_per_token": 4.125, "nested": {"a": 1, "b": [1, 2]}}
 
 
@@ -151,6 +191,28 @@ def test_sections_for_each_layout_in_page_order(folders):
     assert "What it means." in text
     # a notes file without a JSON names the log it stands for
     assert "`results/old_run.log` · not recorded" in text and "The log said 3." in text
+
+
+def test_per_device_sections_get_their_own_tables_and_plots(folders, tmp_path):
+    (folders / "results" / "distill.json").write_text(json.dumps(DISTILL))
+    text = make_results.render()
+    assert "## Distilled draft: acceptance and speed" in text
+    cpu, h200 = text.split("### cpu")[1].split("### h200")
+    assert "CPU (2 cores, x86_64) · jax 0.11.2 · commit 1111111" in cpu
+    assert "| chain | distilled | gamma 4 | 40 | 2.75 | 2x | 2/2 |" in cpu
+    assert "| chain | distilled | gamma 4 | 1400.0 | 2.75 | 2x | 2/2 |" in h200
+    assert "| `draft.stored_bytes` | 4000000 |" in cpu and "| `what` | acceptance" in h200
+    files = [p.file for p in plots.plans("distill", DISTILL)]
+    assert files == [
+        "distill_cpu_tokens_per_s.png",
+        "distill_cpu_acceptance.png",
+        "distill_h200_tokens_per_s.png",
+        "distill_h200_acceptance.png",
+    ]
+    for f in files:
+        assert text.count(f"(plots/{f})") == 1
+    written = plots.draw_all([folders / "results" / "distill.json"], tmp_path / "png")
+    assert sorted(p.name for p in written) == sorted(files)
 
 
 def test_a_known_layout_missing_fields_falls_back_to_the_generic_table(folders):
