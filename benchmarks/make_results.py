@@ -150,13 +150,20 @@ def row_lists(d: dict, prefix: str = "") -> list[tuple[str, list[dict]]]:
 
 
 def rows_table(rows: list[dict], limit: int = 80) -> str:
+    """One line per row, one column per scalar field; nested values are named, not shown."""
     cols: list[str] = []
-    flat = [dict(flatten(r)) for r in rows[:limit]]
-    for r in flat:
-        cols += [c for c in r if c not in cols]
-    text = table(cols, [[r.get(c) for c in cols] for r in flat])
+    nested: list[str] = []
+    for r in rows[:limit]:
+        for k, v in r.items():
+            if is_scalar(v) or (isinstance(v, list) and all(is_scalar(x) for x in v)):
+                cols += [k] if k not in cols else []
+            elif k not in nested:
+                nested.append(k)
+    text = table(cols, [[r.get(c) for c in cols] for r in rows[:limit]])
     if len(rows) > limit:
         text += f"\n\n({len(rows) - limit} more rows in the JSON.)"
+    if nested:
+        text += f"\n\nPer row in the JSON, not shown: {', '.join(f'`{k}`' for k in nested)}."
     return text
 
 

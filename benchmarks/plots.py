@@ -160,7 +160,8 @@ def draw(plan: Plan, data: dict, path: pathlib.Path) -> None:
         batches = sorted({b for points in best.values() for b in points})
         for (prefix, draft), points in sorted(best.items(), key=lambda kv: str(kv[0])):
             bs = sorted(points)
-            ax.plot(bs, [points[b] for b in bs], marker="o", label=f"prefix {prefix}, {draft}")
+            name = f"prefix {prefix}" + (f", {draft}" if draft else "")
+            ax.plot(bs, [points[b] for b in bs], marker="o", label=name)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])

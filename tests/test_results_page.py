@@ -99,6 +99,12 @@ MAGICDEC = {
         ]
     ],
 }
+MAGICDEC_8B = {  # no draft column, a predicted speedup, nested per-gamma values
+    "rows": [
+        {"batch": b, "prefix": 4096, "gamma": 3, "predicted_speedup": s, "t_v": {"1": 0.5}}
+        for b, s in [(1, 0.8), (32, 1.4)]
+    ],
+}
 
 
 def _distill_section(device, commit, tps):
@@ -157,6 +163,7 @@ def test_sections_for_each_layout_in_page_order(folders):
     res, notes = folders / "results", folders / "notes"
     (res / "bench_cpu.json").write_text(json.dumps(BENCH))
     (res / "magicdec.json").write_text(json.dumps(MAGICDEC))
+    (res / "magicdec_8b.json").write_text(json.dumps(MAGICDEC_8B))
     (res / "zz_new.json").write_text(json.dumps(UNKNOWN))
     (res / "old_run.log").write_text("a log\n")
     (notes / "_intro.md").write_text("Intro prose.\n")
@@ -169,6 +176,7 @@ def test_sections_for_each_layout_in_page_order(folders):
     assert heads == [
         "## `jaxspec bench` with HF peers, CPU",
         "## MagicDec: batched long-context speculation, one H200",
+        "## MagicDec cost model at Llama-3.1-8B shape",
         "## Only a log",
         "## A new result",
     ]
@@ -185,6 +193,9 @@ def test_sections_for_each_layout_in_page_order(folders):
     assert "| batch | prefix | draft | gamma | alpha | speedup |" in text
     assert "| 8 | 2048 | self-snapkv | 3 | 0.8 | 1.25 |" in text
     assert "(plots/magicdec_speedup.png)" in text
+    assert "| batch | prefix | gamma | predicted_speedup |" in text
+    assert "| 32 | 4096 | 3 | 1.4 |" in text and "not shown: `t_v`." in text
+    assert "(plots/magicdec_8b_speedup.png)" in text
     # unknown: generic key/value table; front matter fills only what the JSON lacks
     assert "| `ms_per_token` | 4.125 |" in text and "| `nested.b` | 1, 2 |" in text
     assert "NVIDIA H200 · jax not recorded · commit 9999999" in text
@@ -232,7 +243,8 @@ def test_check_mode_fails_on_a_stale_page(folders):
 
 def test_plots_are_drawn_from_the_jsons(tmp_path):
     files = []
-    for name, data in (("bench_cpu", BENCH), ("magicdec", MAGICDEC), ("zz", UNKNOWN)):
+    cases = (("bench_cpu", BENCH), ("magicdec", MAGICDEC), ("m8", MAGICDEC_8B), ("zz", UNKNOWN))
+    for name, data in cases:
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(data))
     assert [p.kind for p in plots.plans("bench_cpu", BENCH)] == ["tokens_per_s", "acceptance"]
@@ -244,6 +256,7 @@ def test_plots_are_drawn_from_the_jsons(tmp_path):
     assert sorted(p.name for p in written) == [
         "bench_cpu_acceptance.png",
         "bench_cpu_tokens_per_s.png",
+        "m8_speedup.png",
         "magicdec_speedup.png",
     ]
     for p in written:
