@@ -56,10 +56,15 @@ def bench_hf(gguf, ids: list[int], new: int, repeats: int, torch_dtype):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
-    hf = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch_dtype
-    ).eval()
-    x = torch.tensor([ids])
+    # On the GPU machine HF runs on the GPU too (an earlier version of this script left it on
+    # the host CPU, so its "H200" HF figure was a CPU one).
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = (
+        AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+        .to(dev)
+        .eval()
+    )
+    x = torch.tensor([ids], device=dev)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     with torch.no_grad():
         hf.generate(x, **kw)
@@ -67,6 +72,8 @@ def bench_hf(gguf, ids: list[int], new: int, repeats: int, torch_dtype):
         for _ in range(repeats):
             t = time.perf_counter()
             out = hf.generate(x, **kw)
+            if dev == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
     return new / statistics.median(times), out[0, len(ids) :].tolist()
 
