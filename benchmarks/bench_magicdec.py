@@ -29,8 +29,8 @@ must not).
 Compiles: shapes are shared across prefixes (one cache capacity per batch: the prefill runs in
 Python-driven chunks of one compiled step, and the ragged decode kernels read only each row's
 length), and every executable of a batch is compiled ahead of time on a thread pool while the
-previous batch is measured. The JSON is written after every row; past ``--budget-s`` nothing new
-starts.
+previous batch is measured (one thread traces, a pool compiles, the main thread measures). The
+JSON is written after every row; past ``--budget-s`` nothing new starts.
 """
 
 from __future__ import annotations
@@ -469,20 +469,26 @@ def main(argv=None) -> int:
         "not_run": [],
     }
     bench = Bench(args, target, drafts_, prompts, result, t0)
+    # one thread lowers (traces) every batch's executables in batch order and hands them to the
+    # pool that compiles them, while this thread measures the batches already compiled
     pool = concurrent.futures.ThreadPoolExecutor(args.threads)
-    futures = {}
-    for b in batches:  # lower everything now; the pool compiles in batch order
+    lowerer = concurrent.futures.ThreadPoolExecutor(1)
+
+    def lower(b):
         pieces = make_pieces(
             target, drafts_, gammas, batch=b, width=width, capacity=capacity, new=args.new
         )
-        futures[b] = compile_all(pieces, pool)
+        futures = compile_all(pieces, pool)
         log(t0, f"batch {b}: {len(pieces)} executables lowered")
+        return futures
+
+    futures = {b: lowerer.submit(lower, b) for b in batches}
     for b in batches:
         if bench.over():
             bench.skip(batch=b)
             continue
         tc = time.perf_counter()
-        bench.exe = {k: f.result() for k, f in futures[b].items()}
+        bench.exe = {k: f.result() for k, f in futures[b].result().items()}
         log(t0, f"batch {b}: compiled (waited {time.perf_counter() - tc:.1f} s)")
         for p in prefixes:
             if bench.over():
@@ -490,10 +496,13 @@ def main(argv=None) -> int:
                 continue
             bench.batch_prefix(b, p, capacity)
         futures[b] = None  # let the executables go
+    lowerer.shutdown(wait=False, cancel_futures=True)
     pool.shutdown(wait=False, cancel_futures=True)
     bench.save()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # without waiting for background compiles a time budget left unused
