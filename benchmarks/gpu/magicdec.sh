@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One H200: MagicDec on SmolLM2-135M-Instruct with long documents (<= 7 min, compiles included),
+# then the Llama-3.1-8B-shape cost-model analysis (<= 4 min). JAXSPEC_DEFAULT_GGUF must name the
+# SmolLM2 GGUF. Each part writes its JSON after every row, so a timeout leaves partial results.
+# Run the parts as two calls if one call's 10-minute limit is tight: "$0" smol | "$0" 8b.
+set -u
+source benchmarks/gpu/env.sh
+part="${1:-all}"
+if [ "$part" = all ] || [ "$part" = smol ]; then
+  timeout 420 python3 benchmarks/bench_magicdec.py --budget-s 360 --out "$OUT/magicdec.json" \
+    2>&1 | grep -v "^\[transformers\]\|donated buffers\|^\s*$" | tee "$OUT/magicdec.log" | tail -60
+fi
+if [ "$part" = all ] || [ "$part" = 8b ]; then
+  timeout 240 python3 benchmarks/bench_magicdec_8b.py --budget-s 170 \
+    --out "$OUT/magicdec_8b.json" 2>&1 | tee "$OUT/magicdec_8b.log" | tail -45
+fi
