@@ -432,10 +432,11 @@ def main(argv=None) -> int:
     }
     # prompts: a different document per row, chat template, `prefix` tokens each
     docs = {p: datasets.longdoc_prompts(target.tokenizer, max(batches), p) for p in prefixes}
-    width = -(-max(len(r) for rows in docs.values() for r in rows) // CHUNK) * CHUNK
+    longest = max(len(r) for rows in docs.values() for r in rows)
+    if longest + args.new + max(gammas) + 1 > cfg.max_position_embeddings:
+        sys.exit(f"prefix {longest} + {args.new} new tokens exceed the model's context")
+    width = -(-longest // CHUNK) * CHUNK
     capacity = width + args.new + max(gammas) + 2
-    if capacity > cfg.max_position_embeddings:
-        sys.exit(f"prefix {max(prefixes)} + {args.new} new tokens exceed the model's context")
     prompts = {}
     for p, rows in docs.items():
         ids = np.zeros((len(rows), width), np.int32)

@@ -1,0 +1,47 @@
+"""The MagicDec benchmark scripts on tiny settings (slow: they compile many shapes): their JSON
+has the documented schema, and in float32 the speculative tokens equal autoregressive ones."""
+
+import json
+
+import pytest
+
+import jaxspec
+from benchmarks import bench_magicdec, bench_magicdec_8b
+from tests import hf_fixtures
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_magicdec_tiny(tmp_path):
+    src = tmp_path / "hf"
+    hf_fixtures.save_hf_checkpoint("llama3.2", src, tokenizer=True)
+    ckpt = jaxspec.convert(src, tmp_path / "m", dtype="float32", progress=False)
+    out = tmp_path / "md.json"
+    argv = ["--model", str(ckpt), "--prefixes", "40,70", "--batches", "2", "--new", "6"]
+    argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1", "--threads", "2"]
+    assert bench_magicdec.main([*argv, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for key in ("device", "jax", "commit", "command", "rows", "dataset", "settings"):
+        assert key in r
+    assert len(r["rows"]) == 2 * 2  # prefixes x drafts
+    for row in r["rows"]:
+        for key in ("batch", "prefix", "draft", "gamma", "alpha", "speedup"):
+            assert key in row
+        assert row["gamma"] in (1, 2) and 0.0 <= row["alpha"] <= 1.0 and row["speedup"] > 0
+        assert row["rows_identical"] == row["rows"] == 2  # float32: exact
+        assert set(row["all_gammas_rows_identical"].values()) == {2}
+        assert row["prefix_tokens_mean"] == row["prefix"]
+
+
+def test_bench_magicdec_8b_smoke(tmp_path):
+    out = tmp_path / "8b.json"
+    argv = ["--smoke", "--batches", "1,4", "--prefixes", "256,1024,4096", "--kv-gib", "0.01"]
+    argv += ["--budget", "64", "--reps", "1", "--threads", "2", "--out", str(out)]
+    assert bench_magicdec_8b.main(argv) == 0
+    r = json.loads(out.read_text())
+    sources = {(row["batch"], row["prefix"]): row["source"] for row in r["rows"]}
+    assert sources[(1, 4096)] == "measured" and sources[(4, 4096)] == "analytic"
+    assert len(sources) == 6
+    for row in r["rows"]:
+        assert 1 <= row["gamma"] <= 8 and row["predicted_speedup"] > 0
+        assert {int(g) for g in row["t_v_over_t_t"]} == set(range(1, 9))
