@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import sys
@@ -55,6 +56,15 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def tree_shape(text):
+    if not text:
+        return None
+    from jaxspec.engines.tree import TreeShape
+
+    depth, width, branch, bs = ints(text)
+    return TreeShape(depth=depth, width=width, branch=branch, bs=bs)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefixes", default="2048,4096,7168")
@@ -66,6 +76,13 @@ def parse(argv=None):
     p.add_argument("--drafts", default="self-streaming,self-snapkv")
     p.add_argument("--budget", type=int, default=512, help="the draft's KV budget (tokens)")
     p.add_argument("--gammas", default="2,3,4", help="gammas measured (T_V) and run")
+    p.add_argument(
+        "--tree",
+        default=None,
+        metavar="D,W,K,BS",
+        help="also run batched trees of this shape (depth, width, branch, bs; e.g. 4,4,2,8) and "
+        "let the cost model choose between them and the chains (off by default: more compiles)",
+    )
     p.add_argument("--new", type=int, default=96, help="new tokens per row")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the T_D / T_V timings")
     p.add_argument(
@@ -89,13 +106,16 @@ def log(t0: float, msg: str) -> None:
 # ------------------------------------------------------------------------------- the pieces
 
 
-def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new):
+def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, shape=None):
     """The jitted functions of one batch size and their abstract arguments, for AOT compiles.
 
     Returns {name: (jitted fn, abstract args)} with names "prefill", "ar", "tv{g}", and per draft
-    "init:{d}", "td:{d}", "loop:{d}:{g}"."""
+    "init:{d}", "td:{d}", "loop:{d}:{g}"; with a tree ``shape`` also "tv{bs}" (a tree verify of
+    bs nodes costs what a chain verify of bs tokens does: the same forward, another mask) and per
+    draft "tinit:{d}", "te:{d}" (one expansion), "tloop:{d}"."""
     from jaxspec import drafts as D
-    from jaxspec.engines import autoregressive, chain
+    from jaxspec.engines import autoregressive, chain, magicdec
+    from jaxspec.engines import tree as tree_engine
     from jaxspec.kv_cache import causal_block, init_cache
     from jaxspec.model import apply
     from jaxspec.sampling import Sampling
@@ -103,6 +123,7 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new):
     cfg, graphdef = target.config, target.graphdef
     greedy = Sampling(0.0, 1.0, 0)
     room = max(gammas) + 2
+    tv_gammas = sorted({*gammas, *([shape.bs] if shape is not None else [])})
     dtype = jax.tree.leaves(target.params)[0].dtype
     sds = jax.ShapeDtypeStruct
 
@@ -188,7 +209,7 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new):
         "ar": (jax.jit(ar_loop, donate_argnums=(1,)), (params, ar_a)),
         "ar_state": (jax.jit(ar_state), (cache_a, tok_a)),
     }
-    for g in gammas:
+    for g in tv_gammas:
         pieces[f"tv{g}"] = (
             jax.jit(verify, donate_argnums=(1,)),
             (params, cache_a, tok_a, sds((batch, g), jnp.int32), key_a),
@@ -207,6 +228,54 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new):
                 jax.jit(functools.partial(spec_loop, d, g), donate_argnums=(2,)),
                 (params, dparams, st_a),
             )
+    if shape is None:
+        return pieces
+
+    def tree_state(td, dparams, ids, lens, cache, tok):
+        b = tok.shape[0]
+        dstate = td.init(dparams, D.Prefill(ids, lens, cache, capacity, td.capacity), tok)
+        out = jnp.zeros((b, new), jnp.int32).at[:, 0].set(tok)
+        zero = jnp.zeros((b,), jnp.int32)
+        return tree_engine.State(
+            cache,
+            out,
+            zero + 1,
+            jnp.zeros((b,), bool),
+            jnp.zeros((), jnp.int32),
+            zero,
+            zero,
+            dstate,
+            jax.random.key(0),
+        )
+
+    def tree_loop(td, tparams, dparams, s):
+        s = jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done),
+            lambda s: tree_engine.step(
+                tparams, dparams, s, graphdef=graphdef, draft=td, shape=shape, sampling=greedy,
+                eos=(),
+            ),
+            s,
+        )  # fmt: skip
+        return s.out, s.count, s.steps, s.emitted, s.live_steps, s
+
+    def grow_once(td, dparams, dstate):
+        return td.grow(dparams, dstate, expansions=1, width=shape.width, branch=shape.branch)
+
+    for name, (d, dparams) in drafts_.items():
+        td = magicdec.tree_draft(d, shape)
+        init = jax.jit(functools.partial(tree_state, td))
+        init_args = (dparams, ids_a, lens_a, cache_a, tok_a)
+        pieces[f"tinit:{name}"] = (init, init_args)
+        st_a = jax.eval_shape(init, *init_args)
+        pieces[f"te:{name}"] = (
+            jax.jit(functools.partial(grow_once, td), donate_argnums=(1,)),
+            (dparams, st_a.draft),
+        )
+        pieces[f"tloop:{name}"] = (
+            jax.jit(functools.partial(tree_loop, td), donate_argnums=(2,)),
+            (params, dparams, st_a),
+        )
     return pieces
 
 
@@ -253,6 +322,7 @@ class Bench:
         self.args, self.target, self.drafts, self.prompts = args, target, drafts_, prompts
         self.result, self.t0 = result, t0
         self.gammas = sorted(ints(args.gammas))
+        self.shape = tree_shape(args.tree)
         self.mid = self.gammas[len(self.gammas) // 2]
         self.exe: dict = {}
 
@@ -304,7 +374,7 @@ class Bench:
         )
         key = jax.random.key(1)
         t_v = {}
-        for g in self.gammas:
+        for g in sorted({*self.gammas, *([self.shape.bs] if self.shape else [])}):
             rng = np.random.RandomState(g)
             x = jnp.asarray(rng.randint(0, self.target.config.vocab_size, (b, g)), jnp.int32)
             tv = exe[f"tv{g}"]
@@ -323,6 +393,36 @@ class Bench:
                 self.skip(batch=b, prefix=p, draft=name)
                 continue
             self.draft_row(b, p, name, ids, lens, cache, tok, ar, t_v)
+
+    def tree_run(self, b, name, ids, lens, cache, tok, ar, t_v) -> dict:
+        """The batched tree of ``--tree`` with this draft: T_E, the measured accepted length
+        and speedup, and the cost model's prediction from T_E, T_V(bs), T_T and that length."""
+        from jaxspec import cost_model
+        from jaxspec.timing import chained_ms
+
+        exe, sh, dparams = self.exe, self.shape, self.drafts[name][1]
+        s0 = exe[f"tinit:{name}"](dparams, ids, lens, cache, tok)
+        te = exe[f"te:{name}"]
+        t_e = chained_ms(lambda ds: te(dparams, ds), s0.draft, self.args.reps)
+        (o, n, steps, emitted, live, _), sd_s = timed(
+            exe[f"tloop:{name}"], self.target.params, dparams, fresh(s0)
+        )
+        length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+        same, first = agreement(ar["out"], ar["count"], np.asarray(o), np.asarray(n))
+        rel = cost_model.tree_relative_time(sh.depth, t_e, ar["t_t"], t_v[sh.bs], length)
+        return {
+            **dataclasses.asdict(sh),
+            "t_e_ms": t_e,
+            "t_v_ms": t_v[sh.bs],
+            "acceptance_length": length,
+            "predicted_speedup": 1.0 / rel,
+            "speedup": ar["wall_s"] / sd_s,
+            "wall_s": sd_s,
+            "tok_s": int(np.asarray(n).sum()) / sd_s,
+            "steps": int(steps),
+            "rows_identical": same,
+            "first_divergence": first,
+        }
 
     def spec_run(self, b, name, g, s0, ar) -> dict:
         from jaxspec import cost_model
@@ -358,10 +458,15 @@ class Bench:
             for g in (gammas if self.args.all_gammas else [mid])
         }
         alpha, t_t = runs[mid]["alpha"], ar["t_t"]
-        gamma, predicted = cost_model.choose_gamma(t_d, t_t, t_v, alpha)
+        gamma, predicted = cost_model.choose_gamma(t_d, t_t, t_v, alpha, gammas)
         if gamma not in runs:
             runs[gamma] = self.spec_run(b, name, gamma, s0, ar)
         r = runs[gamma]
+        shape, tree = "chain", None
+        if self.shape is not None:
+            tree = self.tree_run(b, name, ids, lens, cache, tok, ar, t_v)
+            if tree["predicted_speedup"] > predicted:
+                shape, r = "tree", tree
         n_tokens = int(ar["count"].sum())
         row = {
             "batch": b,
@@ -369,12 +474,16 @@ class Bench:
             "prefix_tokens_mean": float(np.asarray(lens).mean()),
             "draft": name,
             "budget": self.args.budget,
-            "shape": "chain",
-            "gamma": gamma,
+            "shape": shape,
+            "gamma": gamma if shape == "chain" else None,
+            "chain_gamma": gamma,
             "alpha": alpha,
             "alpha_gamma": mid,
             "speedup": r["speedup"],
-            "predicted_speedup": predicted,
+            "predicted_speedup": predicted if shape == "chain" else tree["predicted_speedup"],
+            "chain_predicted_speedup": predicted,
+            "chain_speedup": runs[gamma]["speedup"],
+            "tree": tree,
             "acceptance_length": r["acceptance_length"],
             "ar_tok_s": n_tokens / ar["wall_s"],
             "sd_tok_s": r["tok_s"],
@@ -383,7 +492,7 @@ class Bench:
             "t_v_ms": t_v,
             "t_d_over_t_t": t_d / t_t,
             "t_v_over_t_t": {g: v / t_t for g, v in t_v.items()},
-            "predicted_by_gamma": {
+            "predicted_by_gamma": {  # (gammas only: a bs-token T_V serves the tree)
                 g: 1.0 / cost_model.relative_time(g, alpha, t_d, t_t, t_v[g]) for g in gammas
             },
             "measured_by_gamma": {g: v["speedup"] for g, v in runs.items()},
@@ -436,7 +545,8 @@ def main(argv=None) -> int:
     if longest + args.new + max(gammas) + 1 > cfg.max_position_embeddings:
         sys.exit(f"prefix {longest} + {args.new} new tokens exceed the model's context")
     width = -(-longest // CHUNK) * CHUNK
-    capacity = width + args.new + max(gammas) + 2
+    shape = tree_shape(args.tree)
+    capacity = width + args.new + max(max(gammas), shape.bs if shape else 0) + 2
     prompts = {}
     for p, rows in docs.items():
         ids = np.zeros((len(rows), width), np.int32)
@@ -465,6 +575,7 @@ def main(argv=None) -> int:
             "eos": "ignored (every row decodes new_tokens)",
             "timed": "decoding only (prefill excluded), whole loop on device",
             "capacity": capacity,
+            "tree": None if shape is None else dataclasses.asdict(shape),
         },
         "rows": [],
         "not_run": [],
@@ -477,7 +588,14 @@ def main(argv=None) -> int:
 
     def lower(b):
         pieces = make_pieces(
-            target, drafts_, gammas, batch=b, width=width, capacity=capacity, new=args.new
+            target,
+            drafts_,
+            gammas,
+            batch=b,
+            width=width,
+            capacity=capacity,
+            new=args.new,
+            shape=shape,
         )
         futures = compile_all(pieces, pool)
         log(t0, f"batch {b}: {len(pieces)} executables lowered")

@@ -19,6 +19,7 @@ def test_bench_magicdec_tiny(tmp_path):
     out = tmp_path / "md.json"
     argv = ["--model", str(ckpt), "--prefixes", "40,70", "--batches", "2", "--new", "6"]
     argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1", "--threads", "2"]
+    argv += ["--tree", "2,2,2,3"]
     assert bench_magicdec.main([*argv, "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     for key in ("device", "jax", "commit", "command", "rows", "dataset", "settings"):
@@ -27,10 +28,17 @@ def test_bench_magicdec_tiny(tmp_path):
     for row in r["rows"]:
         for key in ("batch", "prefix", "draft", "gamma", "alpha", "speedup"):
             assert key in row
-        assert row["gamma"] in (1, 2) and 0.0 <= row["alpha"] <= 1.0 and row["speedup"] > 0
+        assert row["chain_gamma"] in (1, 2) and 0.0 <= row["alpha"] <= 1.0 and row["speedup"] > 0
         assert row["rows_identical"] == row["rows"] == 2  # float32: exact
         assert set(row["all_gammas_rows_identical"].values()) == {2}
         assert row["prefix_tokens_mean"] == row["prefix"]
+        tree = row["tree"]
+        assert tree["depth"] == 2 and tree["rows_identical"] == 2
+        assert 1.0 <= tree["acceptance_length"] <= 3.0 and tree["t_e_ms"] > 0
+        assert row["shape"] == (
+            "tree" if tree["predicted_speedup"] > row["chain_predicted_speedup"] else "chain"
+        )
+        assert row["gamma"] == (row["chain_gamma"] if row["shape"] == "chain" else None)
 
 
 def test_bench_magicdec_8b_smoke(tmp_path):
