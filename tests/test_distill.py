@@ -223,3 +223,29 @@ def test_a_failed_write_leaves_no_draft(run, target, tmp_path, monkeypatch):
         D.distill(target, out, prompts=PROMPTS, steps=2, **RUN)
     assert not (out / "draft").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".draft")]
+
+
+def test_the_shipped_draft_is_refused_by_another_target(target):
+    """``--method auto`` falls back to autoregressive for a model the shipped draft is not for."""
+    assert D.is_draft_checkpoint(D.SHIPPED)
+    assert D.shipped_draft(target) is None
+    with pytest.raises(DraftError, match="another target"):
+        D.load_draft(D.SHIPPED, target)
+
+
+@pytest.mark.slow
+def test_the_shipped_draft_drafts_for_smollm2():
+    """The shipped draft with the real SmolLM2-135M-Instruct (float32): it loads, chain output
+    equals greedy decoding, and it accepts more than one token per verification."""
+    import jaxspec
+    from jaxspec.datasets import humaneval
+    from jaxspec.default_model import default_checkpoint
+
+    target = jaxspec.load(default_checkpoint(), dtype="float32")
+    draft = D.shipped_draft(target)
+    assert draft is not None and draft.config.num_layers == 2
+    prompts = humaneval(3)
+    want = generate(target, prompts, max_new_tokens=32).tokens
+    got = generate(target, prompts, draft=draft, method="chain", max_new_tokens=32, gamma=4)
+    assert got.tokens == want
+    assert got.stats["acceptance_length"] > 1.2
