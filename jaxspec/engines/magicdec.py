@@ -63,6 +63,13 @@ def resolve_draft(target, draft, *, sparse=None, **budget):
     return drafts.resolve(target, draft, "magicdec", sparse=sparse, **budget)
 
 
+def middle(gammas) -> int:
+    """The gamma alpha is measured at: the middle of the candidates (alpha, the per-token
+    acceptance rate, hardly depends on it)."""
+    g = sorted(gammas)
+    return g[len(g) // 2]
+
+
 def auto_gamma(target, d, dparams, ids, lens, *, gammas=None) -> cost_model.Measurement:
     """The cost model's measurement for this (target, draft, batch, prefix bucket), cached."""
     gammas = tuple(GAMMAS if gammas is None else gammas)
@@ -71,8 +78,9 @@ def auto_gamma(target, d, dparams, ids, lens, *, gammas=None) -> cost_model.Meas
     key = (target.config, target.graphdef, d, b, bucket, gammas)
     if key not in _MEASURED:
         _MEASURED[key] = cost_model.measure(
-            target, d, b, bucket, gammas, dparams=dparams, ids=ids, lens=lens
-        )
+            target, d, b, bucket, gammas, dparams=dparams, ids=ids, lens=lens,
+            alpha_gamma=middle(gammas),
+        )  # fmt: skip
     return _MEASURED[key]
 
 
@@ -250,7 +258,10 @@ def profile(
             ids = lens = None
             if prompts is not None:
                 ids, lens = pad_prompts(prompts(b, p))
-            m = cost_model.measure(target, d, b, p, gammas, dparams=dparams, ids=ids, lens=lens)
+            m = cost_model.measure(
+                target, d, b, p, gammas, dparams=dparams, ids=ids, lens=lens,
+                alpha_gamma=middle(gammas),
+            )  # fmt: skip
             tm = None
             if tree_shape is not None:
                 tm = cost_model.measure_tree(
