@@ -5,6 +5,9 @@
 # Run the parts as two calls if one call's 10-minute limit is tight: "$0" smol | "$0" 8b.
 set -u
 source benchmarks/gpu/env.sh
+if [ -z "${JAXSPEC_DEFAULT_GGUF:-}" ] && [ -f ~/smol.gguf ]; then
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf  # joined by final2.sh / call2.sh on this machine
+fi
 part="${1:-all}"
 if [ "$part" = all ] || [ "$part" = smol ]; then
   timeout 420 python3 benchmarks/bench_magicdec.py --budget-s 360 --out "$OUT/magicdec.json" \
