@@ -13,7 +13,9 @@ Every prompt runs through the engines' own ``run`` (what ``jaxspec.generate`` ca
 prompts padded to one width (the longest, rounded up to 64), so each configuration compiles
 once; compilation is excluded from tokens/s. Each method's tokens are compared with
 autoregressive decoding's (``identical_to_autoregressive``); in float32 they must all be equal.
-The JSON is written after every configuration, and ``--budget-s`` stops the run in time.
+Prompts run in the outer loop and methods in the inner one, so load changes on a shared
+machine hit every method alike. The JSON is written after every prompt, and ``--budget-s`` stops
+the run in time (every method then has the same prompts).
 """
 
 from __future__ import annotations
@@ -159,22 +161,63 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(base, indent=2) + "\n")
 
-    ar_tokens: list[list[int]] = []
+    cfgs = [
+        c
+        for c in configs(args.gamma, args.budget, args.sinks)
+        if wanted is None or c[0] in wanted or c[0] == "autoregressive"
+    ]
+    rows: dict[str, list[dict]] = {c[0]: [] for c in cfgs}
+    compile_s = {c[0]: 0.0 for c in cfgs}
+
+    def summarise():
+        section["results"] = []
+        for name, method, _, opts in cfgs:
+            rs = rows[name]
+            new = sum(r["new_tokens"] for r in rs)
+            wall = sum(r["wall_s"] for r in rs)
+            section["results"].append(
+                {
+                    "name": name,
+                    "method": method,
+                    "options": opts,
+                    "prompts": len(rs),
+                    "new_tokens": new,
+                    "tokens_per_s": round(new / wall, 2),
+                    "acceptance_length_mean": round(
+                        statistics.mean(r["acceptance_length"] for r in rs), 4
+                    ),
+                    "acceptance_length_pooled": round(
+                        new / sum(r["new_tokens"] / r["acceptance_length"] for r in rs), 4
+                    ),
+                    "identical_to_autoregressive": sum(r["same_as_autoregressive"] for r in rs),
+                    "compile_s": round(compile_s[name], 2),
+                    "per_prompt": rs,
+                }
+            )
+        ar = section["results"][0]["tokens_per_s"]
+        for r in section["results"]:
+            r["speedup_vs_autoregressive"] = round(r["tokens_per_s"] / ar, 3)
+        res = section["results"]
+        section["acceptance_length_chain4_humaneval"] = {
+            r["name"]: r["acceptance_length_mean"] for r in res if r["method"] == "chain"
+        }
+        section["tokens_per_s"] = {r["name"]: r["tokens_per_s"] for r in res}
+        section["speedup_vs_autoregressive"] = {
+            r["name"]: r["speedup_vs_autoregressive"] for r in res
+        }
+
+    # prompts outer, methods inner: load changes on a shared machine hit every method alike
     stopped = False
-    for name, method, dkey, opts in configs(args.gamma, args.budget, args.sinks):
-        if wanted is not None and name not in wanted and name != "autoregressive":
-            continue
-        d = drafts.get(dkey) if dkey else None
-        rows, compile_s = [], 0.0
-        for i, p in enumerate(ids):
-            if deadline is not None and time.perf_counter() > deadline:
-                stopped = True
-                break
-            toks, s = run_one(target, method, d, p, width, args.new, opts)
-            compile_s += s["compile_s"]
-            if method == "autoregressive":
-                ar_tokens.append(toks)
-            rows.append(
+    for i, p in enumerate(ids):
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
+        ar = None
+        for name, method, dkey, opts in cfgs:
+            toks, s = run_one(target, method, drafts.get(dkey), p, width, args.new, opts)
+            compile_s[name] += s["compile_s"]
+            ar = toks if method == "autoregressive" else ar
+            rows[name].append(
                 {
                     "prompt": i,
                     "prompt_tokens": len(p),
@@ -182,50 +225,23 @@ def main(argv=None) -> int:
                     "wall_s": round(s["wall_s"], 5),
                     "acceptance_length": round(s["acceptance_length"], 4),
                     "target_steps": s["target_steps"],
-                    "same_as_autoregressive": i < len(ar_tokens) and toks == ar_tokens[i],
+                    "same_as_autoregressive": toks == ar,
                 }
             )
-        if not rows:
-            break
-        new = sum(r["new_tokens"] for r in rows)
-        wall = sum(r["wall_s"] for r in rows)
-        accs = [r["acceptance_length"] for r in rows]
-        steps = sum(r["new_tokens"] / r["acceptance_length"] for r in rows)
-        res = {
-            "name": name,
-            "method": method,
-            "options": opts,
-            "prompts": len(rows),
-            "new_tokens": new,
-            "tokens_per_s": round(new / wall, 2),
-            "acceptance_length_mean": round(statistics.mean(accs), 4),
-            "acceptance_length_pooled": round(new / steps, 4),
-            "identical_to_autoregressive": sum(r["same_as_autoregressive"] for r in rows),
-            "compile_s": round(compile_s, 2),
-            "per_prompt": rows,
-        }
-        section["results"].append(res)
-        ar = section["results"][0]["tokens_per_s"]
-        res["speedup_vs_autoregressive"] = round(res["tokens_per_s"] / ar, 3)
-        section["acceptance_length_chain4_humaneval"] = {
-            r["name"]: r["acceptance_length_mean"]
-            for r in section["results"]
-            if r["method"] == "chain"
-        }
-        section["tokens_per_s"] = {r["name"]: r["tokens_per_s"] for r in section["results"]}
-        section["speedup_vs_autoregressive"] = {
-            r["name"]: r["speedup_vs_autoregressive"] for r in section["results"]
-        }
+        summarise()
         write()
-        print(
-            f"{name:>15}: {res['tokens_per_s']:8.1f} tok/s  acceptance "
-            f"{res['acceptance_length_mean']:.2f}  speedup {res['speedup_vs_autoregressive']:.2f}x"
-            f"  same as AR {res['identical_to_autoregressive']}/{len(rows)}  "
-            f"(compile {compile_s:.1f} s)",
-            flush=True,
+        line = "  ".join(
+            f"{r['name']} {r['tokens_per_s']:.1f} tok/s acc {r['acceptance_length_mean']:.2f}"
+            for r in section["results"]
         )
-        if stopped:
-            break
+        print(f"[{i + 1}/{len(ids)}] {line}", flush=True)
+    print(f"\n{'':>15} {'tok/s':>8} {'accept':>7} {'speedup':>8} {'same':>5} {'compile s':>9}")
+    for r in section["results"]:
+        print(
+            f"{r['name']:>15} {r['tokens_per_s']:8.1f} {r['acceptance_length_mean']:7.2f} "
+            f"{r['speedup_vs_autoregressive']:7.2f}x {r['identical_to_autoregressive']:>2}/"
+            f"{r['prompts']:<2} {r['compile_s']:9.1f}"
+        )
     section["complete"] = not stopped and wanted is None
     section["wall_s"] = round(time.perf_counter() - t0, 1)
     write()
