@@ -21,5 +21,5 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
 PY
-timeout 150 python3 benchmarks/bench_hf_shape.py --shape 8b --context 4096 --new 64 --out "$OUT/hf_8b.json" 2>&1 | grep -v "^\s*$" | tail -3
+timeout 150 python3 benchmarks/bench_hf_shape.py --shape 8b --context 4096 --new 32 --reps 2 --out "$OUT/hf_8b.json" 2>&1 | grep -v "^\s*$" | tail -3
 wait; ls -la ~/gguf
