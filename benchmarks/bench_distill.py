@@ -76,6 +76,12 @@ def run_one(target, method, draft, ids: list[int], width: int, new: int, opts: d
     return trim(np.asarray(out), np.asarray(count))[0], stats
 
 
+def _shown(path: str) -> str:
+    """A path relative to the repository when it is inside it."""
+    p = pathlib.Path(path).absolute()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def device_tag() -> str:
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
         "batch": 1,
         "greedy": True,
         "draft": {
-            "path": str(args.draft),
+            "path": _shown(args.draft),
             "layers": draft.config.num_layers,
             "intermediate_size": draft.config.intermediate_size,
             "stored_parameters": dmeta.get("parameters"),
