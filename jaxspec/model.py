@@ -37,13 +37,15 @@ def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def matmul(x, w):
-    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, with ``MIN_GEMM_ROWS`` applied."""
+def matmul(x, w, out_dtype=None):
+    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, with ``MIN_GEMM_ROWS`` applied;
+    ``out_dtype`` asks for that result type (accumulation at least as precise)."""
+    mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
     rows = x.size // x.shape[-1]
     if rows >= MIN_GEMM_ROWS:
-        return x @ w
+        return mm(x, w)
     flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, MIN_GEMM_ROWS - rows), (0, 0)))
-    return (flat @ w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
+    return mm(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
 class Linear(nnx.Module):
@@ -165,7 +167,9 @@ class Transformer(nnx.Module):
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        logits = matmul(x, head).astype(jnp.float32)
+        # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
+        # ties common (greedy then depends on the kernel's tie order; seen on the H200)
+        logits = matmul(x, head, jnp.float32)
         return logits, KVCache(k=ks, v=vs, length=cache.length)
 
 

@@ -81,3 +81,18 @@ def test_min_gemm_rows_padding_keeps_results(monkeypatch):
     np.testing.assert_allclose(np.asarray(m.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5)
     assert generate(m, ps, max_new_tokens=12).tokens == plain
     assert generate(m, ps, method="chain", draft="ngram", max_new_tokens=12).tokens == plain
+
+
+def test_bf16_model_logits_keep_float32_precision():
+    """A bf16 model's logits come from the matmul's float32 accumulator, not a bf16 rounding
+    of it (which made exact top-2 ties, so greedy depended on kernel order)."""
+    from tests import tiny
+
+    m = tiny.model(4)
+    m16 = jaxspec.model.Model(
+        m.config, m.graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
+    )
+    logits = np.asarray(m16.logits([tiny.prompts(1)[0]]))
+    assert logits.dtype == np.float32
+    rounded = np.asarray(jnp.asarray(logits).astype(jnp.bfloat16).astype(jnp.float32))
+    assert (logits != rounded).mean() > 0.5
