@@ -27,10 +27,19 @@ from pallas_kernels.dispatch import attention
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
 # JAXSPEC_ATTENTION=reference to measure the difference.
 ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
-# Matmuls with fewer rows than this get zero rows appended (0: never). An experiment knob for
-# GPU decode: XLA picks its GEMM kernel by shape, and on the H200 an 8-token verify step ran
-# faster than a 1-token decode step (benchmarks/RESULTS.md). Results per row are unchanged.
-MIN_GEMM_ROWS = int(os.environ.get("JAXSPEC_MIN_GEMM_ROWS", "0"))
+# Matmuls with fewer rows than this get zero rows appended (0: never; unset: 8 on GPU, 0
+# elsewhere). XLA picks its GEMM kernel by shape: on the H200 a 1-token decode step with 8 rows
+# took 4.89 ms instead of 5.81 (Llama-3-8B shape), 1.20 instead of 1.64 (1B), 1.10 instead of
+# 1.40 (SmolLM2) (benchmarks/results/gpu_decode.json). Results per row are unchanged.
+_ROWS_ENV = os.environ.get("JAXSPEC_MIN_GEMM_ROWS")
+MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
+
+
+def min_gemm_rows() -> int:
+    """The row padding in force (read while tracing, when the backend is known)."""
+    if MIN_GEMM_ROWS is not None:
+        return MIN_GEMM_ROWS
+    return 8 if jax.default_backend() == "gpu" else 0
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
@@ -38,13 +47,13 @@ def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
 
 
 def matmul(x, w, out_dtype=None):
-    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, with ``MIN_GEMM_ROWS`` applied;
+    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, with ``min_gemm_rows()`` applied;
     ``out_dtype`` asks for that result type (accumulation at least as precise)."""
     mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
-    rows = x.size // x.shape[-1]
-    if rows >= MIN_GEMM_ROWS:
+    rows, want = x.size // x.shape[-1], min_gemm_rows()
+    if rows >= want:
         return mm(x, w)
-    flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, MIN_GEMM_ROWS - rows), (0, 0)))
+    flat = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, want - rows), (0, 0)))
     return mm(flat, w)[:rows].reshape(*x.shape[:-1], w.shape[-1])
 
 
