@@ -910,8 +910,11 @@ def distill(
         dcfg=dcfg,
         recipe=Optim.of(recipe),
     )
-    # the step count is fixed while the learning rate does not depend on it yet (warmup)
-    measure = max(3, min(5, recipe.warmup))
+    # the step count is fixed while the learning rate does not depend on it yet (warmup), from
+    # the median step time over the whole warmup: on the H200 the first steps after the compile
+    # ran several times slower than the steady 16 steps/s, and 5 of them fixed 128 steps where
+    # the budget had room for over a thousand
+    measure = max(3, recipe.warmup)
     reserve = 5.0  # seconds kept for the last checkpoint and the draft's write
     ends: list[float] = []  # step end times; the first step compiles and is not measured
     bar = tqdm(total=total, initial=step, desc="distill", unit="step", disable=not progress)
@@ -942,7 +945,7 @@ def distill(
             position += recipe.batch
             history.append({"step": step, **m})
             if not fixed_total and len(ends) >= measure:
-                per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
+                per_step = float(np.median(np.diff(ends)))
                 left = max(0.0, deadline - now - reserve)
                 total = max(step, min(recipe.steps, step + int(left / per_step)))
                 fixed_total = True
