@@ -28,52 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import metadata
+from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply, new_model
 from jaxspec.timing import median_ms
 
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-LLAMA32_1B = dataclasses.replace(
-    LLAMA3_8B,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    head_dim=64,
-    tie_word_embeddings=True,
-)
-SMOLLM2_135M = ModelConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
-SMOKE = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
 SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}
 

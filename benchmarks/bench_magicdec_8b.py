@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import statistics
 import sys
@@ -36,30 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import metadata, write
+from benchmarks.shapes import LLAMA31_8B
+from benchmarks.shapes import SMOKE as SMOKE_SHAPE
 from jaxspec import cost_model
-from jaxspec.config import ModelConfig
 
-LLAMA31_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
-SMOKE = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    max_position_embeddings=8192,
-)
+SMOKE = dataclasses.replace(SMOKE_SHAPE, vocab_size=256, head_dim=64, max_position_embeddings=8192)
 H200_BW, H200_FLOPS = 4.8e12, 989e12
 BLOCKS = (1, 2, 4, 8)  # tokens per forward measured: T_T, T_V(1), T_V(3), T_V(7)
 GAMMAS = range(1, 9)

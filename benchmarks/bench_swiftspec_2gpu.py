@@ -19,54 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import metadata, write
+from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
 from jaxspec import profiler
-from jaxspec.config import ModelConfig
 from jaxspec.generate import generate
 from jaxspec.model import new_model
-
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-LLAMA32_1B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
-SMOKE_T = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
-)
-SMOKE_D = ModelConfig(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
-)
 
 
 def main():
@@ -77,7 +33,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tcfg, dcfg = (SMOKE_T, SMOKE_D) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
+    tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     d0, d1 = jax.devices()[:2]
     with jax.default_device(d0):

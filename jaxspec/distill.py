@@ -60,7 +60,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
-from jaxspec.model import Model
+from jaxspec.model import Model, full_logits
 
 FORMAT = "jaxspec-draft/1"
 HOLDOUT = {"humaneval": 20}  # prompts the benchmarks use: never trained on
@@ -578,21 +578,6 @@ def _reference_attention():
         model_mod.ATTENTION_IMPL = old
 
 
-def _forward(graphdef, cfg: ModelConfig, params, tokens):
-    """Full causal forward [B, T] -> float32 logits [B, T, V] (the same call every engine makes,
-    with a throwaway cache)."""
-    from jaxspec.kv_cache import causal_block, init_cache
-    from jaxspec.model import apply
-
-    b, t = tokens.shape
-    dtype = jax.tree.leaves(params)[0].dtype
-    cache = init_cache(cfg, b, t, dtype)
-    zeros = jnp.zeros((b,), jnp.int32)
-    block = causal_block(zeros, zeros, jnp.full((b,), t, jnp.int32), t)
-    logits, _ = apply(graphdef, params, tokens, cache, block)
-    return logits
-
-
 def lr_at(step, total, recipe: Recipe | Optim):
     """Linear warmup to ``lr``, then cosine to ``min_lr_ratio * lr`` at ``total``."""
     step = jnp.asarray(step, jnp.float32)
@@ -644,13 +629,13 @@ def train_step(
     """One optimizer step on ``tokens`` [B, T]: teacher forward, draft forward and backward."""
     import optax
 
-    teacher = jax.lax.stop_gradient(_forward(tgraph, tcfg, tparams, tokens))
+    teacher = jax.lax.stop_gradient(full_logits(tgraph, tcfg, tparams, tokens))
     dtype = jax.tree.leaves(tparams)[0].dtype
 
     def loss_fn(w):
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
         loss, kl, ce, agree = losses(
-            teacher, _forward(dgraph, dcfg, params, tokens), recipe.ce_weight
+            teacher, full_logits(dgraph, dcfg, params, tokens), recipe.ce_weight
         )
         return loss.mean(), {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
 

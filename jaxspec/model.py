@@ -214,7 +214,12 @@ class Model:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _full_logits(graphdef, params, tokens):
-    cfg = nnx.merge(graphdef, params).cfg
+    return full_logits(graphdef, nnx.merge(graphdef, params).cfg, params, tokens)
+
+
+def full_logits(graphdef, cfg: ModelConfig, params, tokens):
+    """Full causal forward ``[B, T]`` -> float32 logits ``[B, T, V]`` with a throwaway cache (the
+    same call every engine makes); a pure function to use inside a jit."""
     b, t = tokens.shape
     dtype = jax.tree.leaves(params)[0].dtype
     cache = init_cache(cfg, b, t, dtype)
