@@ -33,8 +33,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         "--method",
         default="auto",
         choices=("auto", "autoregressive", "chain", "tree", "swiftspec", "magicdec"),
-        help="auto (default): chain with --draft when one is given, or with the shipped "
-        "distilled draft when the model is the embedded default; else autoregressive",
+        help="auto (default): chain with --draft when one is given, or on a GPU with the "
+        "shipped distilled draft when the model is the embedded default; else autoregressive",
     )
     p.add_argument(
         "--draft",
@@ -282,13 +282,17 @@ def _load_draft(args, target):
 
 
 def _auto_method(args, target, draft):
-    """``--method auto``: chain with the given draft, or with the shipped distilled draft for
-    the embedded default model (when it is there and matches), else autoregressive."""
+    """``--method auto``: chain with the given draft, or on a GPU with the shipped distilled
+    draft for the embedded default model (when it is there and matches), else autoregressive.
+    On a CPU the shipped draft measured 0.64x autoregressive (benchmarks/results/distill.json):
+    its LM head costs a quarter of a target step there."""
     if args.method != "auto":
         return args.method, draft
     if draft is not None:
         return "chain", draft
-    if args.model is None:
+    import jax
+
+    if args.model is None and jax.default_backend() == "gpu":
         from jaxspec.distill import shipped_draft
 
         shipped = shipped_draft(target)
