@@ -37,6 +37,9 @@ Recipe (``distill``):
    written atomically: a temporary folder renamed into place.
 
 ``load_draft(path, target)`` returns the ``Model`` to pass as ``draft=`` to every engine.
+
+This module holds the recipe and the training loop; ``jaxspec.distill_data`` the data stage and
+``jaxspec.draft_checkpoint`` the draft format, fingerprint and loader (re-exported here).
 """
 
 from __future__ import annotations
@@ -44,31 +47,51 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import math
-import os
 import pathlib
-import shutil
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxspec.config import ModelConfig
+# The draft format and its loader, and the data stage, live beside this module; their public
+# names are re-exported here.
+from jaxspec.distill_data import (  # noqa: F401
+    HOLDOUT,
+    DataSpec,
+    _batch,
+    _load_data,
+    _spec_json,
+    _windows,
+    generate_data,
+)
+from jaxspec.draft_checkpoint import (  # noqa: F401
+    FORMAT,
+    SHARED,
+    SHIPPED,
+    PathLike,
+    _assemble,
+    _draft_model,
+    _fresh_dir,
+    _pure,
+    _read_json,
+    _replace,
+    _same_target,
+    _shared_of,
+    _trainable,
+    _write_atomic,
+    _write_draft,
+    draft_config,
+    fingerprint,
+    is_draft_checkpoint,
+    load_draft,
+    shipped_draft,
+)
 from jaxspec.errors import CheckpointError, DraftError, OptionError
 from jaxspec.model import Model, full_logits
-
-FORMAT = "jaxspec-draft/1"
-HOLDOUT = {"humaneval": 20}  # prompts the benchmarks use: never trained on
-SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
-REPO = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED = REPO / "checkpoints" / "drafts" / "smollm2-135m-instruct-draft"
-PathLike = str | os.PathLike
-
 
 # ------------------------------------------------------------------------------ options
 
@@ -89,19 +112,6 @@ class Recipe:
     weight_decay: float = 0.01
     clip: float = 1.0
     ce_weight: float = 0.25
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """How the target writes the training text; ``resume`` reuses what was written."""
-
-    data: tuple[str, ...] = ("humaneval", "chat")
-    samples: int = 4  # temperature samples per prompt, besides the greedy continuation
-    temperature: float = 0.8
-    max_new: int = 256
-    gen_batch: int = 64
-    max_prompt_tokens: int = 512  # longer prompts keep their last tokens
     seed: int = 0
 
 
@@ -180,86 +190,7 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
 # ------------------------------------------------------------------------------ fingerprint
 
 
-def _shared_arrays(model: Model) -> dict[str, np.ndarray]:
-    pure = nnx.to_pure_dict(model.params)
-    out = {"embed_tokens": pure["embed_tokens"]}
-    if "lm_head" in pure and pure["lm_head"] is not None:
-        out["lm_head"] = pure["lm_head"]["kernel"]
-    return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
-
-
-def fingerprint(target: Model) -> dict:
-    """What identifies the target a draft belongs to: vocabulary and hidden sizes, the sha256 of
-    the shared arrays' bytes as bfloat16, and a small probe of them (a few rows, float32) so the
-    same target loaded in another dtype (float32 / bfloat16 / float16) is recognised too."""
-    cfg = target.config
-    arrays = _shared_arrays(target)
-    h = hashlib.sha256()
-    probe = {}
-    for name, x in arrays.items():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(x.astype(jnp.bfloat16)).tobytes())
-        rows = np.linspace(0, x.shape[0] - 1, 8).round().astype(int)
-        probe[name] = np.round(x[rows, :64].astype(np.float32), 6).tolist()
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_layers": cfg.num_layers,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "sha256_bf16": h.hexdigest(),
-        "probe": probe,
-        "name": target.name,
-    }
-
-
-def _same_target(stored: dict, target: Model) -> str | None:
-    """None when ``target`` is the one ``stored`` describes, else what differs."""
-    cfg = target.config
-    if stored.get("vocab_size") != cfg.vocab_size:
-        return f"vocabulary {stored.get('vocab_size')} vs this target's {cfg.vocab_size}"
-    if stored.get("hidden_size") != cfg.hidden_size:
-        return f"hidden size {stored.get('hidden_size')} vs this target's {cfg.hidden_size}"
-    if bool(stored.get("tie_word_embeddings")) != cfg.tie_word_embeddings:
-        return "tied vs untied embeddings"
-    now = fingerprint(target)
-    if now["sha256_bf16"] == stored.get("sha256_bf16"):
-        return None
-    for name, rows in (stored.get("probe") or {}).items():
-        mine = np.asarray(now["probe"].get(name, []), np.float32)
-        theirs = np.asarray(rows, np.float32)
-        if mine.shape != theirs.shape:
-            return f"its {name} differs"
-        scale = float(np.abs(theirs).max()) or 1.0
-        # another dtype of the same weights differs by rounding (bf16: ~0.4% relative)
-        if not np.allclose(mine, theirs, rtol=1e-2, atol=1e-3 * scale):
-            return f"its {name} differs (embedding fingerprint mismatch)"
-    if not stored.get("probe"):
-        return "the embedding fingerprint differs"
-    return None
-
-
 # ------------------------------------------------------------------------------ draft model
-
-
-def draft_config(target_cfg: ModelConfig, layers: int, intermediate: int) -> ModelConfig:
-    return dataclasses.replace(target_cfg, num_layers=layers, intermediate_size=intermediate)
-
-
-def _pure(state) -> dict:
-    return nnx.to_pure_dict(state)
-
-
-def _trainable(pure: dict) -> dict:
-    return {k: v for k, v in pure.items() if k not in SHARED}
-
-
-def _assemble(trainable: dict, shared: dict) -> nnx.State:
-    return nnx.State({**trainable, **shared})
-
-
-def _shared_of(target: Model) -> dict:
-    pure = _pure(target.params)
-    return {k: pure[k] for k in SHARED if k in pure and pure[k] is not None}
 
 
 def init_draft(target: Model, recipe: Recipe) -> dict:
@@ -295,271 +226,7 @@ def init_draft(target: Model, recipe: Recipe) -> dict:
     return jax.tree.map(jnp.asarray, {"layers": layers, "norm": norm})
 
 
-def _draft_model(target: Model, cfg: ModelConfig, trainable: dict, name: str) -> Model:
-    from jaxspec.model import abstract_model
-
-    dtype = target.dtype
-    graphdef, state = abstract_model(cfg, dtype)
-    pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), trainable), **_shared_of(target)}
-    nnx.replace_by_pure_dict(state, pure)
-    return Model(cfg, graphdef, state, target.tokenizer, name=name)
-
-
-def _read_json(path: pathlib.Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable {what} ({e}); distil it again.") from None
-
-
-def _draft_dir(path: pathlib.Path) -> pathlib.Path:
-    if (path / "draft.json").is_file():
-        return path
-    if (path / "draft" / "draft.json").is_file():  # a distill output folder
-        return path / "draft"
-    raise CheckpointError(
-        f"no distilled draft at {path} (no draft.json); create one with `jaxspec distill "
-        f"--out {path}` or jaxspec.distill.distill(target, {str(path)!r})."
-    )
-
-
-def is_draft_checkpoint(path: PathLike) -> bool:
-    p = pathlib.Path(path).expanduser()
-    return (p / "draft.json").is_file() or (p / "draft" / "draft.json").is_file()
-
-
-def load_draft(path: PathLike, target: Model) -> Model:
-    """Load a distilled draft for ``target``: its own layers from ``path`` (a draft folder or a
-    distill output folder), the shared embedding / LM head from ``target``, in the target's dtype
-    and with its tokenizer. Raises ``DraftError`` when the draft was distilled for another
-    target, ``CheckpointError`` when the files are missing or corrupt."""
-    import orbax.checkpoint as ocp
-
-    from jaxspec.convert import _int_keys, _str_keys
-    from jaxspec.model import abstract_model
-
-    if not isinstance(target, Model):
-        raise OptionError(
-            f"load_draft needs the target jaxspec.Model, got {type(target).__name__}."
-        )
-    d = _draft_dir(pathlib.Path(path).expanduser().absolute())
-    meta = _read_json(d / "draft.json", "draft description")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{d / 'draft.json'} has format {meta.get('format')!r}, not {FORMAT!r}; distil the "
-            "draft again with this jaxspec."
-        )
-    why = _same_target(meta.get("target", {}), target)
-    if why is not None:
-        raise DraftError(
-            f"the draft at {d} was distilled for another target "
-            f"({meta.get('target', {}).get('name') or 'unnamed'}: {why}); load it with the "
-            "target it was distilled for, or distil a draft for this one with `jaxspec distill`."
-        )
-    try:
-        cfg = ModelConfig.from_json(json.dumps(meta["config"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{d / 'draft.json'} has no valid config ({e}).") from None
-    dtype = target.dtype
-    _, abstract = abstract_model(cfg, dtype)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    want = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=dev),
-        _trainable(_pure(abstract)),
-    )
-    if not (d / "params").is_dir():
-        raise CheckpointError(f"{d} has no params/ folder; the draft is incomplete.")
-    try:
-        with ocp.StandardCheckpointer() as ck:
-            restored = _int_keys(ck.restore(d / "params", _str_keys(want)))
-    except Exception as e:  # Orbax / tensorstore raise many kinds
-        raise CheckpointError(
-            f"could not restore the draft weights in {d / 'params'} ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the draft is corrupt or "
-            "incomplete: distil it again."
-        ) from None
-    name = f"draft[{cfg.num_layers}L]({meta.get('target', {}).get('name') or target.name})"
-    return _draft_model(target, cfg, restored, name)
-
-
-def shipped_draft(target: Model) -> Model | None:
-    """The draft shipped in ``checkpoints/drafts/`` for ``target`` (SmolLM2-135M-Instruct), or
-    None when it is absent or belongs to another target."""
-    if not is_draft_checkpoint(SHIPPED):
-        return None
-    try:
-        return load_draft(SHIPPED, target)
-    except (DraftError, CheckpointError):
-        return None
-
-
 # ------------------------------------------------------------------------------ data
-
-
-def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
-    """(name as given, dataset name, chat template?) per source."""
-    from jaxspec import datasets
-
-    is_chat = getattr(datasets, "chat_template", lambda n: n == "chat")
-    out = []
-    for item in spec.data:
-        name, _, mode = item.partition("@")
-        if mode not in ("", "chat", "raw"):
-            raise OptionError(f"data source {item!r}: the suffix must be @chat or @raw.")
-        out.append((item, name, is_chat(name) if not mode else mode == "chat"))
-    return out
-
-
-def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]], dict]:
-    """Token ids of every training prompt, and a description of where they came from."""
-    from jaxspec import datasets
-    from jaxspec.prompts import encode_prompts
-
-    if prompts is not None:
-        ids = encode_prompts(list(prompts), target.tokenizer, target.config)
-        return ids, {"given": {"prompts": len(ids), "held_out": 0}}
-    if target.tokenizer is None:
-        raise OptionError(
-            "the target has no tokenizer, so distill cannot encode dataset prompts; pass "
-            "prompts= as lists of token ids."
-        )
-    rows, info = [], {}
-    for item, name, chat in _sources(spec):
-        texts, source = datasets.load(name)
-        skip = HOLDOUT.get(name, 0)
-        kept = texts[skip:]
-        if not kept:
-            raise OptionError(
-                f"data source {item!r} has {len(texts)} prompts, all held out (the first {skip} "
-                "are benchmark prompts); add another source."
-            )
-        ids = encode_prompts(kept, target.tokenizer, target.config, chat=chat)
-        rows += ids
-        info[item] = {"source": source, "prompts": len(ids), "held_out": skip, "chat": chat}
-    return rows, info
-
-
-def _width(n: int) -> int:
-    """The padded prompt width ``pad_prompts`` would pick: the engines' prefill runs over
-    ``width // PREFILL_CHUNK`` chunks, so past one chunk the width is a multiple of it."""
-    from jaxspec.engines.common import PREFILL_CHUNK
-
-    m = 16 if n <= PREFILL_CHUNK else PREFILL_CHUNK
-    return -(-n // m) * m
-
-
-def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed):
-    """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
-    padded to a fixed width so every batch reuses one compilation."""
-    from jaxspec.engines import autoregressive
-    from jaxspec.engines.common import trim
-    from jaxspec.sampling import Sampling
-
-    b = spec.gen_batch
-    real = len(rows)
-    rows = rows + [rows[-1]] * (b - real)
-    ids = np.zeros((b, width), np.int32)
-    lens = np.array([len(r) for r in rows], np.int32)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-    out, count, stats = autoregressive.run(
-        target,
-        None,
-        jnp.asarray(ids),
-        jnp.asarray(lens),
-        max_new=spec.max_new,
-        sampling=Sampling(float(temp), 1.0, 0),
-        eos=tuple(target.config.eos_token_ids),
-        seed=int(seed),
-        prompts=None,
-    )
-    return trim(np.asarray(out), np.asarray(count))[:real], stats
-
-
-def generate_data(
-    target: Model,
-    out_dir: pathlib.Path,
-    spec: DataSpec,
-    *,
-    prompts=None,
-    deadline: float | None = None,
-    progress: bool = True,
-) -> dict:
-    """The target writes the training documents; saved atomically to ``out_dir``."""
-    from tqdm.auto import tqdm
-
-    ids, info = _prompt_rows(target, spec, prompts)
-    # a prompt and its continuation fit the context: longer prompts keep their last tokens
-    cap = min(spec.max_prompt_tokens, target.config.max_position_embeddings - spec.max_new)
-    ids = [p[-cap:] for p in ids]
-    width = _width(max(len(p) for p in ids))
-    # pass 0: greedy; passes 1..samples: temperature. Ordered by pass, so a budget cut keeps
-    # whole passes over every source.
-    jobs = [(0, i) for i in range(len(ids))]
-    jobs += [(s, i) for s in range(1, spec.samples + 1) for i in range(len(ids))]
-    docs: list[np.ndarray] = []
-    new_tokens = 0
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(jobs), desc="target writes data", unit="doc", disable=not progress)
-    stopped = False
-    with bar:
-        k = 0
-        while k < len(jobs):
-            if deadline is not None and time.perf_counter() > deadline and docs:
-                stopped = True
-                break
-            greedy = jobs[k][0] == 0
-            chunk = []
-            while k < len(jobs) and len(chunk) < spec.gen_batch and (jobs[k][0] == 0) == greedy:
-                chunk.append(jobs[k])
-                k += 1
-            rows = [ids[i] for _, i in chunk]
-            seed = spec.seed * 1_000_003 + k
-            new, _ = _decode_batch(
-                target, rows, width, spec, 0.0 if greedy else spec.temperature, seed
-            )
-            for r, t in zip(rows, new, strict=True):
-                docs.append(np.asarray(r + t, np.int32))
-                new_tokens += len(t)
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-    stream = np.concatenate(docs)
-    offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
-    meta = {
-        "spec": _spec_json(spec),
-        "sources": info,
-        "documents": len(docs),
-        "planned_documents": len(jobs),
-        "stopped_by_budget": stopped,
-        "tokens": int(stream.size),
-        "generated_tokens": int(new_tokens),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    tmp = _fresh_dir(out_dir)
-    try:
-        np.save(tmp / "tokens.npy", stream)
-        np.save(tmp / "offsets.npy", offsets)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        _replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
-
-
-def _spec_json(spec: DataSpec) -> dict:
-    d = dataclasses.asdict(spec)
-    d["data"] = list(spec.data)
-    return d
-
-
-def _load_data(data_dir: pathlib.Path) -> tuple[np.ndarray, dict]:
-    meta = _read_json(data_dir / "meta.json", "data description")
-    try:
-        stream = np.load(data_dir / "tokens.npy")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{data_dir / 'tokens.npy'} is unreadable ({e}).") from None
-    return stream, meta
 
 
 # ------------------------------------------------------------------------------ training
@@ -648,26 +315,6 @@ def train_step(
     return train, opt_state, {"loss": loss, "lr": lr, **aux}
 
 
-def _windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
-    n = stream.size // seq_len
-    return stream[: n * seq_len].reshape(n, seq_len)
-
-
-def _batch(windows: np.ndarray, position: int, batch: int, seed: int) -> np.ndarray:
-    """Windows ``position .. position + batch`` of the epoch-wise shuffled order."""
-    n = windows.shape[0]
-    idx = []
-    for g in range(position, position + batch):
-        epoch, j = divmod(g, n)
-        idx.append(_perm(n, seed, epoch)[j])
-    return windows[np.asarray(idx)]
-
-
-@functools.lru_cache(maxsize=8)
-def _perm(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
-
-
 @dataclasses.dataclass
 class DistillResult:
     path: pathlib.Path  # the draft folder (load_draft takes it)
@@ -676,19 +323,6 @@ class DistillResult:
     history: list[dict]  # per step of this call: step, loss, kl, ce, agree, lr
     data: dict  # the data description
     stopped: str | None  # "budget" / "until_step" when the run stopped before total_steps
-
-
-def _fresh_dir(dst: pathlib.Path) -> pathlib.Path:
-    from jaxspec.convert import _fresh_dir as fresh
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    return fresh(dst, "tmp")
-
-
-def _replace(tmp: pathlib.Path, dst: pathlib.Path) -> None:
-    from jaxspec.convert import _move_into_place
-
-    _move_into_place(tmp, dst)
 
 
 def _checkpoint_manager(path: pathlib.Path):
@@ -994,41 +628,3 @@ def _summary(rows: list[dict]) -> dict:
     if not rows:
         return {}
     return {k: round(float(np.mean([r[k] for r in rows])), 5) for k in ("loss", "kl", "agree")}
-
-
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
-    """``draft.json`` + ``params/`` (only the draft's own weights), atomically."""
-    import orbax.checkpoint as ocp
-
-    from jaxspec.bench import metadata
-    from jaxspec.convert import _str_keys
-
-    weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
-    n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
-    meta = {
-        "format": FORMAT,
-        "config": json.loads(cfg.to_json()),
-        "dtype": np.dtype(store_dtype).name,
-        "parameters": n_params,
-        "bytes": int(sum(x.nbytes for x in jax.tree.leaves(weights))),
-        "shared_from_target": [k for k in SHARED if k != "lm_head" or not cfg.tie_word_embeddings],
-        "target": fp,
-        "training": {**training, **{k: v for k, v in metadata().items() if k != "command"}},
-    }
-    tmp = _fresh_dir(dst)
-    try:
-        with ocp.StandardCheckpointer() as ck:
-            ck.save(tmp / "params", _str_keys(weights))
-            ck.wait_until_finished()
-        (tmp / "draft.json").write_text(json.dumps(meta, indent=2))
-        _replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst

@@ -218,7 +218,9 @@ def test_a_failed_write_leaves_no_draft(run, target, tmp_path, monkeypatch):
     def boom(tmp, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(D, "_replace", boom)
+    import jaxspec.draft_checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "_replace", boom)  # the draft's atomic rename
     with pytest.raises(OSError, match="disk full"):
         D.distill(target, out, prompts=PROMPTS, steps=2, **RUN)
     assert not (out / "draft").exists()

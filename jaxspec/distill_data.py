@@ -1,0 +1,223 @@
+"""Distillation data: the target writes the text it will teach from (``jaxspec.distill``).
+
+Real prompts (``jaxspec.datasets``) decoded by the target's own batched autoregressive engine
+(one greedy continuation, then sampled passes), documents concatenated and cut into windows;
+the first ``HOLDOUT`` prompts of a set (the ones the benchmarks measure) are never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import shutil
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.draft_checkpoint import _fresh_dir, _read_json, _replace
+from jaxspec.errors import CheckpointError, OptionError
+from jaxspec.model import Model
+
+HOLDOUT = {"humaneval": 20}  # prompts the benchmarks use: never trained on
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """How the target writes the training text; ``resume`` reuses what was written."""
+
+    data: tuple[str, ...] = ("humaneval", "chat")
+    samples: int = 4  # temperature samples per prompt, besides the greedy continuation
+    temperature: float = 0.8
+    max_new: int = 256
+    gen_batch: int = 64
+    max_prompt_tokens: int = 512  # longer prompts keep their last tokens
+    seed: int = 0
+
+
+def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
+    """(name as given, dataset name, chat template?) per source."""
+    from jaxspec import datasets
+
+    is_chat = getattr(datasets, "chat_template", lambda n: n == "chat")
+    out = []
+    for item in spec.data:
+        name, _, mode = item.partition("@")
+        if mode not in ("", "chat", "raw"):
+            raise OptionError(f"data source {item!r}: the suffix must be @chat or @raw.")
+        out.append((item, name, is_chat(name) if not mode else mode == "chat"))
+    return out
+
+
+def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]], dict]:
+    """Token ids of every training prompt, and a description of where they came from."""
+    from jaxspec import datasets
+    from jaxspec.prompts import encode_prompts
+
+    if prompts is not None:
+        ids = encode_prompts(list(prompts), target.tokenizer, target.config)
+        return ids, {"given": {"prompts": len(ids), "held_out": 0}}
+    if target.tokenizer is None:
+        raise OptionError(
+            "the target has no tokenizer, so distill cannot encode dataset prompts; pass "
+            "prompts= as lists of token ids."
+        )
+    rows, info = [], {}
+    for item, name, chat in _sources(spec):
+        texts, source = datasets.load(name)
+        skip = HOLDOUT.get(name, 0)
+        kept = texts[skip:]
+        if not kept:
+            raise OptionError(
+                f"data source {item!r} has {len(texts)} prompts, all held out (the first {skip} "
+                "are benchmark prompts); add another source."
+            )
+        ids = encode_prompts(kept, target.tokenizer, target.config, chat=chat)
+        rows += ids
+        info[item] = {"source": source, "prompts": len(ids), "held_out": skip, "chat": chat}
+    return rows, info
+
+
+def _width(n: int) -> int:
+    """The padded prompt width ``pad_prompts`` would pick: the engines' prefill runs over
+    ``width // PREFILL_CHUNK`` chunks, so past one chunk the width is a multiple of it."""
+    from jaxspec.engines.common import PREFILL_CHUNK
+
+    m = 16 if n <= PREFILL_CHUNK else PREFILL_CHUNK
+    return -(-n // m) * m
+
+
+def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed):
+    """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
+    padded to a fixed width so every batch reuses one compilation."""
+    from jaxspec.engines import autoregressive
+    from jaxspec.engines.common import trim
+    from jaxspec.sampling import Sampling
+
+    b = spec.gen_batch
+    real = len(rows)
+    rows = rows + [rows[-1]] * (b - real)
+    ids = np.zeros((b, width), np.int32)
+    lens = np.array([len(r) for r in rows], np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    out, count, stats = autoregressive.run(
+        target,
+        None,
+        jnp.asarray(ids),
+        jnp.asarray(lens),
+        max_new=spec.max_new,
+        sampling=Sampling(float(temp), 1.0, 0),
+        eos=tuple(target.config.eos_token_ids),
+        seed=int(seed),
+        prompts=None,
+    )
+    return trim(np.asarray(out), np.asarray(count))[:real], stats
+
+
+def generate_data(
+    target: Model,
+    out_dir: pathlib.Path,
+    spec: DataSpec,
+    *,
+    prompts=None,
+    deadline: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """The target writes the training documents; saved atomically to ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    ids, info = _prompt_rows(target, spec, prompts)
+    # a prompt and its continuation fit the context: longer prompts keep their last tokens
+    cap = min(spec.max_prompt_tokens, target.config.max_position_embeddings - spec.max_new)
+    ids = [p[-cap:] for p in ids]
+    width = _width(max(len(p) for p in ids))
+    # pass 0: greedy; passes 1..samples: temperature. Ordered by pass, so a budget cut keeps
+    # whole passes over every source.
+    jobs = [(0, i) for i in range(len(ids))]
+    jobs += [(s, i) for s in range(1, spec.samples + 1) for i in range(len(ids))]
+    docs: list[np.ndarray] = []
+    new_tokens = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="target writes data", unit="doc", disable=not progress)
+    stopped = False
+    with bar:
+        k = 0
+        while k < len(jobs):
+            if deadline is not None and time.perf_counter() > deadline and docs:
+                stopped = True
+                break
+            greedy = jobs[k][0] == 0
+            chunk = []
+            while k < len(jobs) and len(chunk) < spec.gen_batch and (jobs[k][0] == 0) == greedy:
+                chunk.append(jobs[k])
+                k += 1
+            rows = [ids[i] for _, i in chunk]
+            seed = spec.seed * 1_000_003 + k
+            new, _ = _decode_batch(
+                target, rows, width, spec, 0.0 if greedy else spec.temperature, seed
+            )
+            for r, t in zip(rows, new, strict=True):
+                docs.append(np.asarray(r + t, np.int32))
+                new_tokens += len(t)
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    stream = np.concatenate(docs)
+    offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
+    meta = {
+        "spec": _spec_json(spec),
+        "sources": info,
+        "documents": len(docs),
+        "planned_documents": len(jobs),
+        "stopped_by_budget": stopped,
+        "tokens": int(stream.size),
+        "generated_tokens": int(new_tokens),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    tmp = _fresh_dir(out_dir)
+    try:
+        np.save(tmp / "tokens.npy", stream)
+        np.save(tmp / "offsets.npy", offsets)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _spec_json(spec: DataSpec) -> dict:
+    d = dataclasses.asdict(spec)
+    d["data"] = list(spec.data)
+    return d
+
+
+def _load_data(data_dir: pathlib.Path) -> tuple[np.ndarray, dict]:
+    meta = _read_json(data_dir / "meta.json", "data description")
+    try:
+        stream = np.load(data_dir / "tokens.npy")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{data_dir / 'tokens.npy'} is unreadable ({e}).") from None
+    return stream, meta
+
+
+def _windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    n = stream.size // seq_len
+    return stream[: n * seq_len].reshape(n, seq_len)
+
+
+def _batch(windows: np.ndarray, position: int, batch: int, seed: int) -> np.ndarray:
+    """Windows ``position .. position + batch`` of the epoch-wise shuffled order."""
+    n = windows.shape[0]
+    idx = []
+    for g in range(position, position + batch):
+        epoch, j = divmod(g, n)
+        idx.append(_perm(n, seed, epoch)[j])
+    return windows[np.asarray(idx)]
+
+
+@functools.lru_cache(maxsize=8)
+def _perm(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)

@@ -1,0 +1,259 @@
+"""Distilled draft checkpoints: the on-disk format, the target fingerprint, ``load_draft``.
+
+A draft folder holds ``draft.json`` (format, config, the target's fingerprint, the training
+record) and ``params/`` (Orbax): only the draft's own layers. The target's embedding (and LM
+head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
+Written by ``jaxspec.distill``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import CheckpointError, DraftError, OptionError
+from jaxspec.model import Model
+
+FORMAT = "jaxspec-draft/1"
+SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "checkpoints" / "drafts" / "smollm2-135m-instruct-draft"
+PathLike = str | os.PathLike
+
+
+def _shared_arrays(model: Model) -> dict[str, np.ndarray]:
+    pure = nnx.to_pure_dict(model.params)
+    out = {"embed_tokens": pure["embed_tokens"]}
+    if "lm_head" in pure and pure["lm_head"] is not None:
+        out["lm_head"] = pure["lm_head"]["kernel"]
+    return {k: np.asarray(jax.device_get(v)) for k, v in out.items()}
+
+
+def fingerprint(target: Model) -> dict:
+    """What identifies the target a draft belongs to: vocabulary and hidden sizes, the sha256 of
+    the shared arrays' bytes as bfloat16, and a small probe of them (a few rows, float32) so the
+    same target loaded in another dtype (float32 / bfloat16 / float16) is recognised too."""
+    cfg = target.config
+    arrays = _shared_arrays(target)
+    h = hashlib.sha256()
+    probe = {}
+    for name, x in arrays.items():
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(x.astype(jnp.bfloat16)).tobytes())
+        rows = np.linspace(0, x.shape[0] - 1, 8).round().astype(int)
+        probe[name] = np.round(x[rows, :64].astype(np.float32), 6).tolist()
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "sha256_bf16": h.hexdigest(),
+        "probe": probe,
+        "name": target.name,
+    }
+
+
+def _same_target(stored: dict, target: Model) -> str | None:
+    """None when ``target`` is the one ``stored`` describes, else what differs."""
+    cfg = target.config
+    if stored.get("vocab_size") != cfg.vocab_size:
+        return f"vocabulary {stored.get('vocab_size')} vs this target's {cfg.vocab_size}"
+    if stored.get("hidden_size") != cfg.hidden_size:
+        return f"hidden size {stored.get('hidden_size')} vs this target's {cfg.hidden_size}"
+    if bool(stored.get("tie_word_embeddings")) != cfg.tie_word_embeddings:
+        return "tied vs untied embeddings"
+    now = fingerprint(target)
+    if now["sha256_bf16"] == stored.get("sha256_bf16"):
+        return None
+    for name, rows in (stored.get("probe") or {}).items():
+        mine = np.asarray(now["probe"].get(name, []), np.float32)
+        theirs = np.asarray(rows, np.float32)
+        if mine.shape != theirs.shape:
+            return f"its {name} differs"
+        scale = float(np.abs(theirs).max()) or 1.0
+        # another dtype of the same weights differs by rounding (bf16: ~0.4% relative)
+        if not np.allclose(mine, theirs, rtol=1e-2, atol=1e-3 * scale):
+            return f"its {name} differs (embedding fingerprint mismatch)"
+    if not stored.get("probe"):
+        return "the embedding fingerprint differs"
+    return None
+
+
+def draft_config(target_cfg: ModelConfig, layers: int, intermediate: int) -> ModelConfig:
+    return dataclasses.replace(target_cfg, num_layers=layers, intermediate_size=intermediate)
+
+
+def _pure(state) -> dict:
+    return nnx.to_pure_dict(state)
+
+
+def _trainable(pure: dict) -> dict:
+    return {k: v for k, v in pure.items() if k not in SHARED}
+
+
+def _assemble(trainable: dict, shared: dict) -> nnx.State:
+    return nnx.State({**trainable, **shared})
+
+
+def _shared_of(target: Model) -> dict:
+    pure = _pure(target.params)
+    return {k: pure[k] for k in SHARED if k in pure and pure[k] is not None}
+
+
+def _draft_model(target: Model, cfg: ModelConfig, trainable: dict, name: str) -> Model:
+    from jaxspec.model import abstract_model
+
+    dtype = target.dtype
+    graphdef, state = abstract_model(cfg, dtype)
+    pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), trainable), **_shared_of(target)}
+    nnx.replace_by_pure_dict(state, pure)
+    return Model(cfg, graphdef, state, target.tokenizer, name=name)
+
+
+def _read_json(path: pathlib.Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable {what} ({e}); distil it again.") from None
+
+
+def _draft_dir(path: pathlib.Path) -> pathlib.Path:
+    if (path / "draft.json").is_file():
+        return path
+    if (path / "draft" / "draft.json").is_file():  # a distill output folder
+        return path / "draft"
+    raise CheckpointError(
+        f"no distilled draft at {path} (no draft.json); create one with `jaxspec distill "
+        f"--out {path}` or jaxspec.distill.distill(target, {str(path)!r})."
+    )
+
+
+def is_draft_checkpoint(path: PathLike) -> bool:
+    p = pathlib.Path(path).expanduser()
+    return (p / "draft.json").is_file() or (p / "draft" / "draft.json").is_file()
+
+
+def load_draft(path: PathLike, target: Model) -> Model:
+    """Load a distilled draft for ``target``: its own layers from ``path`` (a draft folder or a
+    distill output folder), the shared embedding / LM head from ``target``, in the target's dtype
+    and with its tokenizer. Raises ``DraftError`` when the draft was distilled for another
+    target, ``CheckpointError`` when the files are missing or corrupt."""
+    import orbax.checkpoint as ocp
+
+    from jaxspec.convert import _int_keys, _str_keys
+    from jaxspec.model import abstract_model
+
+    if not isinstance(target, Model):
+        raise OptionError(
+            f"load_draft needs the target jaxspec.Model, got {type(target).__name__}."
+        )
+    d = _draft_dir(pathlib.Path(path).expanduser().absolute())
+    meta = _read_json(d / "draft.json", "draft description")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{d / 'draft.json'} has format {meta.get('format')!r}, not {FORMAT!r}; distil the "
+            "draft again with this jaxspec."
+        )
+    why = _same_target(meta.get("target", {}), target)
+    if why is not None:
+        raise DraftError(
+            f"the draft at {d} was distilled for another target "
+            f"({meta.get('target', {}).get('name') or 'unnamed'}: {why}); load it with the "
+            "target it was distilled for, or distil a draft for this one with `jaxspec distill`."
+        )
+    try:
+        cfg = ModelConfig.from_json(json.dumps(meta["config"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d / 'draft.json'} has no valid config ({e}).") from None
+    dtype = target.dtype
+    _, abstract = abstract_model(cfg, dtype)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    want = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=dev),
+        _trainable(_pure(abstract)),
+    )
+    if not (d / "params").is_dir():
+        raise CheckpointError(f"{d} has no params/ folder; the draft is incomplete.")
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            restored = _int_keys(ck.restore(d / "params", _str_keys(want)))
+    except Exception as e:  # Orbax / tensorstore raise many kinds
+        raise CheckpointError(
+            f"could not restore the draft weights in {d / 'params'} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the draft is corrupt or "
+            "incomplete: distil it again."
+        ) from None
+    name = f"draft[{cfg.num_layers}L]({meta.get('target', {}).get('name') or target.name})"
+    return _draft_model(target, cfg, restored, name)
+
+
+def shipped_draft(target: Model) -> Model | None:
+    """The draft shipped in ``checkpoints/drafts/`` for ``target`` (SmolLM2-135M-Instruct), or
+    None when it is absent or belongs to another target."""
+    if not is_draft_checkpoint(SHIPPED):
+        return None
+    try:
+        return load_draft(SHIPPED, target)
+    except (DraftError, CheckpointError):
+        return None
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
+    """``draft.json`` + ``params/`` (only the draft's own weights), atomically."""
+    import orbax.checkpoint as ocp
+
+    from jaxspec.bench import metadata
+    from jaxspec.convert import _str_keys
+
+    weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
+    n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
+    meta = {
+        "format": FORMAT,
+        "config": json.loads(cfg.to_json()),
+        "dtype": np.dtype(store_dtype).name,
+        "parameters": n_params,
+        "bytes": int(sum(x.nbytes for x in jax.tree.leaves(weights))),
+        "shared_from_target": [k for k in SHARED if k != "lm_head" or not cfg.tie_word_embeddings],
+        "target": fp,
+        "training": {**training, **{k: v for k, v in metadata().items() if k != "command"}},
+    }
+    tmp = _fresh_dir(dst)
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            ck.save(tmp / "params", _str_keys(weights))
+            ck.wait_until_finished()
+        (tmp / "draft.json").write_text(json.dumps(meta, indent=2))
+        _replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _fresh_dir(dst: pathlib.Path) -> pathlib.Path:
+    from jaxspec.convert import _fresh_dir as fresh
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return fresh(dst, "tmp")
+
+
+def _replace(tmp: pathlib.Path, dst: pathlib.Path) -> None:
+    from jaxspec.convert import _move_into_place
+
+    _move_into_place(tmp, dst)
