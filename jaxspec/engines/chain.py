@@ -189,6 +189,11 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     reject_unknown("chain", options, OPTIONS)
     gamma = positive_int("gamma", options.pop("gamma", 4), maximum=64)
     d, dparams = drafts.resolve(target, draft, "chain", **options)
+    return run_resolved(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed)
+
+
+def run_resolved(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed):
+    """The chain loop with a resolved draft (shared with MagicDec): (out, count, stats)."""
     static = dict(
         graphdef=target.graphdef,
         cfg=target.config,
@@ -199,9 +204,8 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         sampling=sampling,
         eos=eos,
     )
-    key = jax.random.key(seed)
     (out, count, steps, emitted, live), wall_s, compile_s = execute(
-        decode, target.params, dparams, ids, lens, key, **static
+        decode, target.params, dparams, ids, lens, jax.random.key(seed), **static
     )
     stats = {
         **speculative_stats(

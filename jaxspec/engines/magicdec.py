@@ -182,23 +182,9 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
 
 
 def _run_chain(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed):
-    static = dict(
-        graphdef=target.graphdef,
-        cfg=target.config,
-        draft=d,
-        gamma=gamma,
-        max_new=max_new,
-        capacity=ids.shape[1] + max_new + gamma + 2,
-        sampling=sampling,
-        eos=eos,
+    out, count, stats = chain.run_resolved(
+        target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed
     )
-    (out, count, steps, emitted, live), wall_s, compile_s = execute(
-        chain.decode, target.params, dparams, ids, lens, jax.random.key(seed), **static
-    )
-    stats = speculative_stats(
-        steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=gamma
-    )
-    stats["gamma"] = gamma
     stats["alpha"] = cost_model.alpha_from_acceptance_length(stats["acceptance_length"], gamma)
     return out, count, stats
 
