@@ -57,26 +57,25 @@ def main():
     print(prof, prof16, flush=True)
 
     common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
-    r = generate(
-        target,
-        [prompt],
-        draft=draft,
-        method="swiftspec",
-        max_extra=0,
-        target_devices=1,
-        draft_devices=1,
-        **common,
-    )
-    r = generate(
-        target,
-        [prompt],
-        draft=draft,
-        method="swiftspec",
-        max_extra=0,
-        target_devices=1,
-        draft_devices=1,
-        **common,
-    )
+    # the engine's default (no refill on the critical path, extra expansions only while the
+    # draft is idle and one fits), then the variants that put draft work back on that path
+    variants = {"default": {}, "no_extra": {"max_extra": 0}, f"refill_{d}": {"refill": d}}
+    runs = {}
+    for name, opts in variants.items():
+        for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
+            r = generate(
+                target,
+                [prompt],
+                draft=draft,
+                method="swiftspec",
+                target_devices=1,
+                draft_devices=1,
+                **opts,
+                **common,
+            )
+        runs[name] = r
+        print(name, round(r.stats["wall_s"] / r.stats["verify_steps"] * 1e3, 3), "ms", flush=True)
+    r = runs["default"]
     async_ms = r.stats["wall_s"] / r.stats["verify_steps"] * 1e3
     serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, d0))
     generate(target, [prompt], draft=serial_draft, method="tree", **common)
@@ -107,7 +106,18 @@ def main():
         "expansions_in_flight": r.stats["expansions_in_flight"],
         "verify_steps_async": r.stats["verify_steps"],
         "target_steps_serial": rs.stats["target_steps"],
-        "identical_tokens": r.tokens == rs.tokens,
+        "identical_tokens": all(x.tokens == rs.tokens for x in runs.values()),
+        "variants": {
+            name: {
+                "options": variants[name],
+                "iteration_ms": round(x.stats["wall_s"] / x.stats["verify_steps"] * 1e3, 3),
+                "acceptance_length": round(x.stats["acceptance_length"], 3),
+                "expansions_in_flight": x.stats["expansions_in_flight"],
+                "refill_expansions": x.stats["refill_expansions"],
+                "verify_steps": x.stats["verify_steps"],
+            }
+            for name, x in runs.items()
+        },
     }
     write("swiftspec_2gpu_smoke.json" if args.smoke else "swiftspec_2gpu.json", payload, args.out)
     for k in (

@@ -46,7 +46,8 @@ def test_swiftspec_greedy_equals_autoregressive_on_every_layout(layout):
             assert r.stats["tokens_recomputed"] == 0
 
 
-def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes():
+@pytest.mark.parametrize("refill", [0, 2])
+def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes(refill):
     target, ps = target_and_prompts(0)
     r = generate(
         target,
@@ -60,6 +61,7 @@ def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes()
         width=1,
         branch=1,
         bs=2,
+        refill=refill,
     )
     assert r.tokens == generate(target, ps, max_new_tokens=NEW).tokens
     s = r.stats
@@ -68,7 +70,16 @@ def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes()
     assert s["draft_expansions"] >= s["verify_steps"] * 2
     # a chain-shaped tree deeper than bs: the bonus token is in the tree, its subtree survives
     assert s["nodes_carried"] > 0 and s["tokens_recomputed"] == 0
-    assert s["acceptance_length"] == pytest.approx(3.0)
+    if refill:
+        # the tree is topped up to bs + 1 nodes before each snapshot: every verify accepts
+        # bs = 2 tokens plus the bonus
+        assert s["acceptance_length"] == pytest.approx(3.0)
+        assert s["refill_expansions"] > 0
+    else:
+        # nothing waits for the draft: it adds d = 2 levels per verification, so a chain
+        # accepts about d tokens a verify (the bonus included), never the full 3
+        assert 2.0 <= s["acceptance_length"] < 2.5
+        assert s["refill_expansions"] == 0
 
 
 def test_reroot_invariants_hold_after_every_verification():

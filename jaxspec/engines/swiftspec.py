@@ -7,12 +7,18 @@ dispatch; nothing in the loop waits on a device except the handoff:
     snapshot_0 = best bs nodes of the draft's tree                    (mesh B)
     loop:
         verify snapshot_n                                             (mesh A, in flight)
-        grow the draft tree d times, and again while the verify is     (mesh B, overlapping)
-          not ready (parallel tree generation)
-        handoff: path, n, bonus -> mesh B   (a few ids; the only host sync of the iteration)
+        grow the draft tree d times, and once more each time the draft is idle and another
+          expansion still fits in the verify's expected time (parallel tree generation)
+        handoff: path, n, bonus -> mesh B   (a few ids)
         re-root the *grown* tree on the verified path (evolving tree cache: verified KV to the
           prefix, the bonus token's subtree kept -- including nodes grown during the verify --
-          dead branches dropped, nothing recomputed); take snapshot_{n+1}
+          dead branches dropped, nothing recomputed); take snapshot_{n+1} at once
+
+The critical path of an iteration is verify -> handoff -> re-root + snapshot -> verify: no draft
+expansion is on it. When the bonus token is not in the tree, the next snapshot is that token
+alone (a one-token verify, like a decode step) while the draft grows its new tree behind the
+verify; waiting for ``refill`` expansions first (an option, default 0) puts them back on the
+critical path, which measured 1.6x slower on two H200s (benchmarks/notes/swiftspec_2gpu.md).
 
 Only token ids and the snapshot (<= bs + 1 nodes) cross between meshes (``jax.device_put``).
 Exactness is the tree engine's: ``accept_tree`` is lossless for any snapshot.
@@ -155,9 +161,10 @@ def draft_snapshot(s, *, bs):
     donate_argnums=1,
 )
 def draft_next(dflat, s, snap: T.TreeBlock, v: Verdict, *, ptree, draft, width, branch, bs, limit):
-    """One call on the verdict: re-root the grown tree (evolving tree cache), refill a short
-    tree (at most ``limit`` expansions, so the next snapshot is never empty), take the next
-    snapshot. Returns (state, snapshot, refill expansions)."""
+    """One call on the verdict: re-root the grown tree (evolving tree cache), refill a tree
+    smaller than bs + 1 nodes with at most ``limit`` expansions (0: none; a tree always holds
+    its root, so the snapshot is never empty), take the next snapshot. Returns (state,
+    snapshot, refill expansions)."""
     dparams = jax.tree.unflatten(ptree, dflat)
     s = draft.commit(s, snap, v.path, v.n, v.next)
 
@@ -229,6 +236,7 @@ OPTIONS = (
     "target_devices",
     "draft_devices",
     "max_extra",
+    "refill",
     "observe",
 )
 
@@ -236,9 +244,8 @@ OPTIONS = (
 def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
     reject_unknown("swiftspec", options, OPTIONS)
     observe = options.pop("observe", None)  # test hook: called with (target, draft) states
-    max_extra = options.pop("max_extra", 8)
-    if isinstance(max_extra, bool) or not isinstance(max_extra, int) or max_extra < 0:
-        raise OptionError(f"max_extra must be an integer >= 0, got {max_extra!r}.")
+    max_extra = _count("max_extra", options.pop("max_extra", 8))
+    refill = _count("refill", options.pop("refill", 0))
     width = positive_int("width", options.pop("width", 8), maximum=64)
     branch = positive_int("branch", options.pop("branch", 4), maximum=16)
     bs = positive_int("bs", options.pop("bs", 8), maximum=128)
@@ -291,6 +298,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         verify_steps=0, draft_expansions=0, expansions_in_flight=0, handoff_s=0.0, compile_s=0.0
     )
     run_worker = functools.partial(_worker, stats, {})
+    pace = _Pace(profiled.t_verify_ms / 1e3, profiled.t_draft_ms / 1e3) if profiled else _Pace()
     refills = []  # expansion counts of the refills, summed once at the end (no sync per step)
     t0 = time.perf_counter()
     try:
@@ -341,16 +349,19 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 eos=eos,
             )
             stats["verify_steps"] += 1
+            t_verify0 = time.perf_counter()
             # parallel tree generation: d expansions in one call while the verify is in
-            # flight, then single ones while it still is (up to max_extra)
+            # flight, then single ones while the draft is idle and one still fits (up to
+            # max_extra); never queue expansions the verdict would have to wait behind
             in_flight = not verdict.n.is_ready()
             ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
             stats["draft_expansions"] += d
             stats["expansions_in_flight"] += d * in_flight
             for _ in range(max_extra):
-                if verdict.n.is_ready():
+                if not pace.another_fits(verdict, ds, t_verify0):
                     break
                 ds = run_worker("draft", draft_grow, dflat, ds, n=1, **tree_kw)
+                pace.dispatched()
                 stats["draft_expansions"] += 1
                 stats["expansions_in_flight"] += 1
             # the one host sync: the *previous* verdict (long finished, since this verify
@@ -362,7 +373,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 v = jax.device_put(verdict, on_d)
             stats["handoff_s"] += h.s + h2.s
             ds, snap_next, grown = run_worker(
-                "draft", draft_next, dflat, ds, snap, v, bs=shape.bs, limit=d, **tree_kw
+                "draft", draft_next, dflat, ds, snap, v, bs=shape.bs, limit=refill, **tree_kw
             )
             snap = snap_next
             if observe is not None:
@@ -425,3 +436,46 @@ def _checked(v: Verdict, bs: int) -> bool:
             f"next {nxt.tolist()}). Both workers were stopped."
         )
     return bool(np.asarray(v.done))
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OptionError(f"{name} must be an integer >= 0, got {value!r}.")
+    return value
+
+
+@dataclasses.dataclass
+class _Pace:
+    """When one more draft expansion may start while a verify is in flight: only when the draft
+    is idle (never queue work the verdict would wait behind) and the expansion is expected to
+    end before the verdict. Expected times (seconds): the profile's, then what this run sees
+    (dispatch to ready, polled; ``None`` until seen: optimistic)."""
+
+    verify: float | None = None
+    draft: float | None = None
+    poll_s: float = 50e-6
+    _t: float | None = None  # when the last single expansion was dispatched
+
+    def dispatched(self):
+        self._t = time.perf_counter()
+
+    def another_fits(self, verdict: Verdict, ds, t0: float) -> bool:
+        """Wait until the verdict or the draft is ready: False once the verdict is, else whether
+        an expansion started now should end before it."""
+        while True:
+            now = time.perf_counter()
+            if verdict.n.is_ready():
+                self.verify = _mean(self.verify, now - t0)
+                self._t = None
+                return False
+            if ds.tree.size.is_ready():
+                if self._t is not None:
+                    self.draft, self._t = _mean(self.draft, now - self._t), None
+                if self.verify is None or self.draft is None:
+                    return True
+                return now - t0 + self.draft <= self.verify
+            time.sleep(self.poll_s)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else 0.5 * (old + new)
