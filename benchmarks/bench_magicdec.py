@@ -1,7 +1,7 @@
 """MagicDec on real weights and real long documents: speedup of batched self-speculation with a
 sparse-KV draft over autoregressive decoding at the same batch and prefix.
 
-    python benchmarks/bench_magicdec.py [--prefixes 2048,4096,7168] [--batches 1,8,32,64,128]
+    python benchmarks/bench_magicdec.py [--prefixes 2048,4096,7168] [--batches 1,128,64,32,8]
         [--drafts self-streaming,self-snapkv] [--budget 512] [--gammas 2,3,4] [--new 96]
         [--budget-s 400] [--out benchmarks/results/magicdec.json]
 
@@ -13,24 +13,28 @@ a batch is a different document. Greedy, EOS ignored (every row decodes ``--new`
 the two methods do the same work).
 
 What is timed is decoding only, with the engines' own pieces: the prefill runs once per (batch,
-prefix) and both methods start from copies of its cache (the copy is made and donated outside
-the timed call). Autoregressive: ``autoregressive.step`` in one ``lax.while_loop``. MagicDec:
-``chain.step`` with the sparse-KV self draft (``magicdec.resolve_draft``) in one
-``lax.while_loop``, exactly the loop ``generate(method="magicdec")`` runs.
+prefix) and both methods (and both drafts) start from copies of its cache (the copy is made and
+donated outside the timed call). Autoregressive: ``autoregressive.step`` in one
+``lax.while_loop``. MagicDec: ``chain.step`` with the sparse-KV self draft
+(``magicdec.resolve_draft``) in one ``lax.while_loop``, exactly the loop
+``generate(method="magicdec")`` runs; it runs until the slowest row of the batch has its tokens.
 
-Cost model per (batch, prefix, draft): T_T = the autoregressive loop's time per step, T_D = one
-draft step (``propose`` with gamma 1), T_V(gamma) = one chain verify, alpha from the acceptance
-length of the run at the middle gamma; the chosen gamma minimises MagicDec's T_SD/T_AR among the
-measured gammas. Every measured gamma is also run (``--all-gammas``, default), so the table shows
-the measured speedup of each next to the prediction. Each row also says how many batch rows'
-tokens equal the autoregressive ones (bf16 on a GPU may diverge at near-ties; float32 on CPU
-must not).
+Cost model per (batch, prefix, draft): T_T = the autoregressive loop's time per step; T_D = one
+draft forward and T_V(gamma) = one chain verify, each timed back to back in an on-device loop
+(``cost_model.looped``, ``timing.loop_ms``: a single host call of a SmolLM2 forward costs ~1 ms
+besides its device work, as much as the forward); alpha from the acceptance length of the run at
+the middle gamma; the chosen gamma minimises MagicDec's T_SD/T_AR among the measured gammas.
+Every measured gamma is also run (``--all-gammas``, default), so the table shows the measured
+speedup of each next to the prediction. Each row also says how many batch rows' tokens equal
+the autoregressive ones (bf16 on a GPU may diverge at near-ties; float32 on CPU must not).
 
 Compiles: shapes are shared across prefixes (one cache capacity per batch: the prefill runs in
 Python-driven chunks of one compiled step, and the ragged decode kernels read only each row's
-length), and every executable of a batch is compiled ahead of time on a thread pool while the
-previous batch is measured (one thread traces, a pool compiles, the main thread measures). The
-JSON is written after every row; past ``--budget-s`` nothing new starts.
+length). Every executable of every batch is compiled before anything is timed (this thread
+traces, a pool compiles): compiling while timing (the GIL held by tracing, CPU cores and the GPU
+busy with compiles and autotuning) inflated timings up to 100 ms. Each loop runs once on an
+already finished state first, so no timed run is an executable's first. The JSON is written
+after every row; past ``--budget-s`` nothing new starts.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ def parse(argv=None):
     p.add_argument("--prefixes", default="2048,4096,7168")
     p.add_argument(
         "--batches",
-        default="1,32,128,8,64",
-        help="measured in this order (default: the trend first, should the budget run out)",
+        default="1,128,64,32,8",
+        help="measured in this order (default: the ends of the trend first, should the budget "
+        "run out)",
     )
     p.add_argument("--drafts", default="self-streaming,self-snapkv")
     p.add_argument("--budget", type=int, default=512, help="the draft's KV budget (tokens)")
@@ -84,7 +89,10 @@ def parse(argv=None):
         "let the cost model choose between them and the chains (off by default: more compiles)",
     )
     p.add_argument("--new", type=int, default=96, help="new tokens per row")
-    p.add_argument("--reps", type=int, default=5, help="repetitions of the T_D / T_V timings")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of the T_D / T_V timings")
+    p.add_argument(
+        "--loop", type=int, default=8, help="steps per timed on-device loop of T_D / T_V"
+    )
     p.add_argument(
         "--all-gammas",
         action=argparse.BooleanOptionalAction,
@@ -92,7 +100,7 @@ def parse(argv=None):
         help="run every measured gamma (default), not only the middle one and the chosen one",
     )
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting work after this")
-    p.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="compile threads")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--model", default=None, help="converted checkpoint (default: SmolLM2)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/magicdec.json")
@@ -109,10 +117,12 @@ def log(t0: float, msg: str) -> None:
 def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, shape=None):
     """The jitted functions of one batch size and their abstract arguments, for AOT compiles.
 
-    Returns {name: (jitted fn, abstract args)} with names "prefill", "ar", "tv{g}", and per draft
-    "init:{d}", "td:{d}", "loop:{d}:{g}"; with a tree ``shape`` also "tv{bs}" (a tree verify of
-    bs nodes costs what a chain verify of bs tokens does: the same forward, another mask) and per
-    draft "tinit:{d}", "te:{d}" (one expansion), "tloop:{d}"."""
+    Returns {name: (jitted fn, abstract args)} with names "prefill", "ar", "ar_state", "tv{g}"
+    (k chain verifies in one loop), and per draft "init:{d}", "td:{d}" (k draft forwards in one
+    loop), "loop:{d}:{g}"; with a tree ``shape`` also "tv{bs}" (a tree verify of bs nodes costs
+    what a chain verify of bs tokens does: the same forward, another mask) and per draft
+    "tinit:{d}", "te:{d}" (k expansions in one loop), "tloop:{d}"."""
+    from jaxspec import cost_model
     from jaxspec import drafts as D
     from jaxspec.engines import autoregressive, chain, magicdec
     from jaxspec.engines import tree as tree_engine
@@ -185,14 +195,6 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, s
         )  # fmt: skip
         return s.out, s.count, s.steps, s.emitted, s.live_steps, s  # (aliases the input)
 
-    # the timed single steps donate the cache they write and hand it back (as inside the loops)
-    def verify(tparams, cache, token, x, key):
-        q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
-        return chain.verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=greedy)[2]
-
-    def propose(d, dparams, dstate, key):
-        return d.propose(dparams, dstate, key, 1, greedy)[2]
-
     params = target.params
     cache_a = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, dtype))
     tok_a = sds((batch,), jnp.int32)
@@ -200,6 +202,7 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, s
     ids_a = sds((batch, width), jnp.int32)
     key_a = jax.eval_shape(lambda: jax.random.key(0))
     last_a = sds((batch, cfg.vocab_size), jnp.float32)
+    k_a = sds((), jnp.int32)  # steps of a timed loop
     ar_a = jax.eval_shape(ar_state, cache_a, tok_a)
     pieces = {
         "prefill": (
@@ -209,19 +212,19 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, s
         "ar": (jax.jit(ar_loop, donate_argnums=(1,)), (params, ar_a)),
         "ar_state": (jax.jit(ar_state), (cache_a, tok_a)),
     }
+    verify = cost_model.looped(cost_model.verify_step, graphdef=graphdef, sampling=greedy)
     for g in tv_gammas:
-        pieces[f"tv{g}"] = (
-            jax.jit(verify, donate_argnums=(1,)),
-            (params, cache_a, tok_a, sds((batch, g), jnp.int32), key_a),
-        )
+        x_a = sds((batch, g), jnp.int32)
+        q_a = sds((batch, g, cfg.vocab_size), jnp.float32)
+        pieces[f"tv{g}"] = (verify, ((cache_a, tok_a), k_a, params, tok_a, x_a, q_a, key_a))
     for name, (d, dparams) in drafts_.items():
         init = jax.jit(functools.partial(draft_state, d))
         init_args = (dparams, ids_a, lens_a, cache_a, tok_a)
         pieces[f"init:{name}"] = (init, init_args)
         st_a = jax.eval_shape(init, *init_args)
         pieces[f"td:{name}"] = (
-            jax.jit(functools.partial(propose, d), donate_argnums=(1,)),
-            (dparams, st_a.draft, key_a),
+            cost_model.looped(cost_model.draft_step, draft=d, sampling=greedy),
+            ((st_a.draft, tok_a), k_a, dparams, key_a),
         )
         for g in gammas:
             pieces[f"loop:{name}:{g}"] = (
@@ -259,19 +262,16 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, s
         )  # fmt: skip
         return s.out, s.count, s.steps, s.emitted, s.live_steps, s
 
-    def grow_once(td, dparams, dstate):
-        return td.grow(dparams, dstate, expansions=1, width=shape.width, branch=shape.branch)
-
     for name, (d, dparams) in drafts_.items():
         td = magicdec.tree_draft(d, shape)
         init = jax.jit(functools.partial(tree_state, td))
         init_args = (dparams, ids_a, lens_a, cache_a, tok_a)
         pieces[f"tinit:{name}"] = (init, init_args)
         st_a = jax.eval_shape(init, *init_args)
-        pieces[f"te:{name}"] = (
-            jax.jit(functools.partial(grow_once, td), donate_argnums=(1,)),
-            (dparams, st_a.draft),
+        grow = cost_model.looped(
+            cost_model.grow_step, draft=td, width=shape.width, branch=shape.branch
         )
+        pieces[f"te:{name}"] = (grow, (st_a.draft, k_a, dparams))
         pieces[f"tloop:{name}"] = (
             jax.jit(functools.partial(tree_loop, td), donate_argnums=(2,)),
             (params, dparams, st_a),
@@ -291,6 +291,13 @@ def compile_all(pieces: dict, pool) -> dict:
 def fresh(tree):
     """A device copy (made outside the timed call, which donates it)."""
     return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+
+
+def finished(state):
+    """A copy of a loop's start state with every row done: a run on it returns at once."""
+    state = fresh(state)
+    state.done = jnp.ones_like(state.done)
+    return state
 
 
 def timed(exe, *args):
@@ -325,6 +332,7 @@ class Bench:
         self.shape = tree_shape(args.tree)
         self.mid = self.gammas[len(self.gammas) // 2]
         self.exe: dict = {}
+        self.warm: set = set()  # loops of this batch that have run once
 
     def over(self) -> bool:
         return time.perf_counter() - self.t0 > self.args.budget_s
@@ -337,6 +345,21 @@ class Bench:
     def skip(self, **where) -> None:
         self.result["not_run"].append({**where, "why": "--budget-s reached"})
         self.save()
+
+    def loop_ms(self, name, state, *args) -> float:
+        """ms per step of the looped piece ``name`` (timing.loop_ms)."""
+        from jaxspec.timing import loop_ms
+
+        return loop_ms(self.exe[name], state, *args, n=self.args.loop, reps=self.args.reps)
+
+    def run(self, name, *args):
+        """(outputs, seconds) of one run of the loop ``name`` on a copy of its state (the last
+        argument). An executable's first run of the batch goes to a finished state first."""
+        exe = self.exe[name]
+        if name not in self.warm:
+            jax.block_until_ready(exe(*args[:-1], finished(args[-1])))
+            self.warm.add(name)
+        return timed(exe, *args[:-1], fresh(args[-1]))
 
     def prefill(self, b, p, capacity):
         """The prompt cache of the first b documents of prefix p and each row's first token."""
@@ -356,31 +379,29 @@ class Bench:
         return ids, lens, cache, tok
 
     def batch_prefix(self, b, p, capacity) -> None:
-        from jaxspec.timing import chained_ms
-
         exe, params = self.exe, self.target.params
         tp = time.perf_counter()
         ids, lens, cache, tok = self.prefill(b, p, capacity)
         prefill_s = time.perf_counter() - tp
-        (ar_out, ar_count, ar_steps, _), ar_s = timed(
-            exe["ar"], params, fresh(exe["ar_state"](cache, tok))
-        )
+        outs, ar_s = self.run("ar", params, exe["ar_state"](cache, tok))
+        ar_out, ar_count, ar_steps = outs[:3]
+        del outs  # (the final state: a cache's worth of memory)
         ar = dict(
             out=np.asarray(ar_out),
             count=np.asarray(ar_count),
             wall_s=ar_s,
+            steps=int(ar_steps),
             t_t=ar_s * 1e3 / max(int(ar_steps), 1),
             prefill_s=prefill_s,
         )
-        key = jax.random.key(1)
+        key, zero = jax.random.key(1), jnp.zeros((b,), jnp.int32)
+        vocab = self.target.config.vocab_size
         t_v = {}
         for g in sorted({*self.gammas, *([self.shape.bs] if self.shape else [])}):
             rng = np.random.RandomState(g)
-            x = jnp.asarray(rng.randint(0, self.target.config.vocab_size, (b, g)), jnp.int32)
-            tv = exe[f"tv{g}"]
-            t_v[g] = chained_ms(
-                lambda c, tv=tv, x=x: tv(params, c, tok, x, key), cache, self.args.reps
-            )
+            x = jnp.asarray(rng.randint(0, vocab, (b, g)), jnp.int32)
+            q = jax.nn.one_hot(x, vocab, dtype=jnp.float32)
+            t_v[g] = self.loop_ms(f"tv{g}", (cache, zero), params, tok, x, q, key)
         log(
             self.t0,
             f"batch {b} prefix {p}: prefill {prefill_s:.2f} s, autoregressive "
@@ -398,14 +419,12 @@ class Bench:
         """The batched tree of ``--tree`` with this draft: T_E, the measured accepted length
         and speedup, and the cost model's prediction from T_E, T_V(bs), T_T and that length."""
         from jaxspec import cost_model
-        from jaxspec.timing import chained_ms
 
         exe, sh, dparams = self.exe, self.shape, self.drafts[name][1]
         s0 = exe[f"tinit:{name}"](dparams, ids, lens, cache, tok)
-        te = exe[f"te:{name}"]
-        t_e = chained_ms(lambda ds: te(dparams, ds), s0.draft, self.args.reps)
-        (o, n, steps, emitted, live, _), sd_s = timed(
-            exe[f"tloop:{name}"], self.target.params, dparams, fresh(s0)
+        t_e = self.loop_ms(f"te:{name}", s0.draft, dparams)
+        (o, n, steps, emitted, live, _), sd_s = self.run(
+            f"tloop:{name}", self.target.params, dparams, s0
         )
         length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
         same, first = agreement(ar["out"], ar["count"], np.asarray(o), np.asarray(n))
@@ -420,6 +439,7 @@ class Bench:
             "wall_s": sd_s,
             "tok_s": int(np.asarray(n).sum()) / sd_s,
             "steps": int(steps),
+            "mean_row_steps": float(np.asarray(live).mean()),
             "rows_identical": same,
             "first_divergence": first,
         }
@@ -428,8 +448,8 @@ class Bench:
         from jaxspec import cost_model
 
         dparams = self.drafts[name][1]
-        (o, n, steps, emitted, live, _), sd_s = timed(
-            self.exe[f"loop:{name}:{g}"], self.target.params, dparams, fresh(s0)
+        (o, n, steps, emitted, live, _), sd_s = self.run(
+            f"loop:{name}:{g}", self.target.params, dparams, s0
         )
         length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
         same, first = agreement(ar["out"], ar["count"], np.asarray(o), np.asarray(n))
@@ -440,19 +460,19 @@ class Bench:
             "acceptance_length": length,
             "alpha": cost_model.alpha_from_acceptance_length(length, g),
             "steps": int(steps),
+            "mean_row_steps": float(np.asarray(live).mean()),
             "rows_identical": same,
             "first_divergence": first,
         }
 
     def draft_row(self, b, p, name, ids, lens, cache, tok, ar, t_v) -> None:
         from jaxspec import cost_model
-        from jaxspec.timing import chained_ms
 
         exe, gammas, mid = self.exe, self.gammas, self.mid
         dparams = self.drafts[name][1]
         s0 = exe[f"init:{name}"](dparams, ids, lens, cache, tok)
-        td, key = exe[f"td:{name}"], jax.random.key(2)
-        t_d = chained_ms(lambda ds: td(dparams, ds, key), s0.draft, self.args.reps)
+        zero, key = jnp.zeros((b,), jnp.int32), jax.random.key(2)
+        t_d = self.loop_ms(f"td:{name}", (s0.draft, zero), dparams, key)
         runs = {
             g: self.spec_run(b, name, g, s0, ar)
             for g in (gammas if self.args.all_gammas else [mid])
@@ -502,6 +522,12 @@ class Bench:
             "rows_identical": r["rows_identical"],
             "first_divergence": r["first_divergence"],
             "all_gammas_rows_identical": {g: v["rows_identical"] for g, v in runs.items()},
+            # verifications until the slowest row had its tokens (the loop's trip count) and
+            # what the mean row needed: the batch waits for its slowest row
+            "steps": r["steps"],
+            "steps_by_gamma": {g: v["steps"] for g, v in runs.items()},
+            "mean_row_steps": r["mean_row_steps"],
+            "ar_steps": ar["steps"],
             "prefill_s": ar["prefill_s"],
             "ar_wall_s": ar["wall_s"],
             "sd_wall_s": r["wall_s"],
@@ -513,7 +539,8 @@ class Bench:
             f"batch {b:>3} prefix {p:>5} {name:>14}: gamma {gamma} alpha {alpha:.2f} "
             f"speedup {r['speedup']:.2f}x (predicted {predicted:.2f}x; measured by gamma "
             + " ".join(f"{g}:{v['speedup']:.2f}" for g, v in runs.items())
-            + f"), {r['rows_identical']}/{b} rows identical",
+            + f"), T_D/T_T {t_d / t_t:.2f}, {r['steps']} steps, "
+            f"{r['rows_identical']}/{b} rows identical",
         )
 
 
@@ -581,12 +608,11 @@ def main(argv=None) -> int:
         "not_run": [],
     }
     bench = Bench(args, target, drafts_, prompts, result, t0)
-    # one thread lowers (traces) every batch's executables in batch order and hands them to the
-    # pool that compiles them, while this thread measures the batches already compiled
+    # every executable of every batch first: this thread lowers (traces), a pool compiles;
+    # nothing is timed while anything compiles
     pool = concurrent.futures.ThreadPoolExecutor(args.threads)
-    lowerer = concurrent.futures.ThreadPoolExecutor(1)
-
-    def lower(b):
+    futures = {}
+    for b in batches:
         pieces = make_pieces(
             target,
             drafts_,
@@ -597,31 +623,25 @@ def main(argv=None) -> int:
             new=args.new,
             shape=shape,
         )
-        futures = compile_all(pieces, pool)
+        futures[b] = compile_all(pieces, pool)
         log(t0, f"batch {b}: {len(pieces)} executables lowered")
-        return futures
-
-    futures = {b: lowerer.submit(lower, b) for b in batches}
+    executables = {b: {k: f.result() for k, f in fs.items()} for b, fs in futures.items()}
+    pool.shutdown()
+    result["compiled_s"] = round(time.perf_counter() - t0, 1)
+    log(t0, "all compiled")
     for b in batches:
         if bench.over():
             bench.skip(batch=b)
             continue
-        tc = time.perf_counter()
-        bench.exe = {k: f.result() for k, f in futures[b].result().items()}
-        log(t0, f"batch {b}: compiled (waited {time.perf_counter() - tc:.1f} s)")
+        bench.exe, bench.warm = executables.pop(b), set()
         for p in prefixes:
             if bench.over():
                 bench.skip(batch=b, prefix=p)
                 continue
             bench.batch_prefix(b, p, capacity)
-        futures[b] = None  # let the executables go
-    lowerer.shutdown(wait=False, cancel_futures=True)
-    pool.shutdown(wait=False, cancel_futures=True)
     bench.save()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # without waiting for background compiles a time budget left unused
+    sys.exit(main())

@@ -8,12 +8,14 @@ predicts at ``--alpha`` (0.8: MagicDec's measured acceptance at a 512 budget).
         [--out benchmarks/results/magicdec_8b.json]
 
 Every time is one forward of the model (``jaxspec.model.apply``, the engines' own forward, with
-the ragged decode-attention kernel on a GPU) with its KV cache donated and handed back, as
-inside the engines' loops: T_T over 1 token, T_V(gamma) over gamma + 1 tokens (measured at
-gamma 1, 3 and 7; other gammas interpolated linearly in the number of tokens between the
-measured points, which is how a forward's cost grows), T_D over 1 token with a cache of
-``budget`` positions. The cache holds ``prefix`` committed positions; its capacity is fixed per
-batch (one compile per batch and block size) and the kernel reads only each row's length.
+the ragged decode-attention kernel on a GPU), timed back to back in an on-device loop with its
+KV cache donated and handed on, as inside the engines' loops (``timing.loop_ms_consuming``: no
+host call's overhead is counted); every executable is compiled before anything is timed. T_T
+over 1 token, T_V(gamma) over gamma + 1 tokens (measured at gamma 1, 3 and 7; other gammas
+interpolated linearly in the number of tokens between the measured points, which is how a
+forward's cost grows), T_D over 1 token with a cache of ``budget`` positions. The cache holds
+``prefix`` committed positions; its capacity is fixed per batch (one compile per batch and block
+size) and the kernel reads only each row's length.
 
 KV memory is ``2 * 32 layers * 8 heads * 128 * 2 bytes = 128 KiB`` per token: a (batch, prefix)
 whose cache does not fit ``--kv-gib`` next to the 16 GB of weights is not measured; the JSON
@@ -28,7 +30,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
-import statistics
 import sys
 import time
 
@@ -58,9 +59,10 @@ def parse(argv=None):
     p.add_argument("--budget", type=int, default=512, help="the draft's KV budget")
     p.add_argument("--alpha", type=float, default=0.8)
     p.add_argument("--kv-gib", type=float, default=100.0, help="KV cache memory allowed (GiB)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3, help="timed pairs per forward (loop_ms)")
+    p.add_argument("--loop", type=int, default=8, help="forwards per timed on-device loop")
     p.add_argument("--budget-s", type=float, default=200.0)
-    p.add_argument("--threads", type=int, default=12)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="compile threads")
     p.add_argument("--smoke", action="store_true", help="a tiny model (CPU check of the script)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/magicdec_8b.json")
     return p.parse_args(argv)
@@ -70,31 +72,35 @@ def log(t0, msg):
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
 
-def forward_fn(graphdef, t: int):
-    """One forward of t tokens per row after ``length`` committed positions; the cache is
-    donated and returned with its length unchanged (so the call repeats)."""
+def forward_fn(graphdef):
+    """k forwards of t tokens per row after ``length`` committed positions in one on-device
+    loop (``timing.repeat``), the cache donated and its length kept (so steps repeat); the
+    argmax tokens are summed into the state, which keeps the LM head in the program."""
     from jaxspec.kv_cache import causal_block
     from jaxspec.model import apply
+    from jaxspec.timing import repeat
 
-    def fwd(params, cache, tokens):
-        b = tokens.shape[0]
+    def fwd(state, params, tokens):
+        cache, acc = state
+        b, t = tokens.shape
         block = causal_block(cache.length, cache.length, jnp.full((b,), t, jnp.int32), t)
         logits, new = apply(graphdef, params, tokens, cache, block)
         new.length = cache.length
-        return jnp.argmax(logits, -1).astype(jnp.int32), new
+        return new, acc + jnp.argmax(logits, -1).sum(axis=1, dtype=jnp.int32)
 
-    return jax.jit(fwd, donate_argnums=(1,))
+    return jax.jit(repeat(fwd), donate_argnums=(0,))
 
 
-def time_forward(exe, params, cache, tokens, reps):
-    """Median ms of repeated calls, the cache handed from call to call."""
-    _, cache = jax.block_until_ready(exe(params, cache, tokens))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        _, cache = jax.block_until_ready(exe(params, cache, tokens))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, cache
+def time_forward(exe, params, cache, tokens, args):
+    """(ms per forward back to back on the device, the cache): ``timing.loop_ms_consuming``,
+    the cache handed from call to call (no copy: the largest caches fit only once)."""
+    from jaxspec.timing import loop_ms_consuming
+
+    acc = jnp.zeros((tokens.shape[0],), jnp.int32)
+    ms, (cache, _) = loop_ms_consuming(
+        exe, (cache, acc), params, tokens, n=args.loop, reps=args.reps
+    )
+    return ms, cache
 
 
 def interpolate(measured: dict[int, float], tokens: int) -> float:
@@ -146,24 +152,26 @@ def main(argv=None) -> int:
             jnp.zeros((b,), jnp.int32),
         )
 
-    # lower here, compile on a pool: per batch one executable per block size, one for the draft
+    # every executable first (lowered here, compiled on a pool; nothing is timed while anything
+    # compiles): per batch one per block size, one for the draft
     pool = concurrent.futures.ThreadPoolExecutor(args.threads)
     futures = {}
+    fwd = forward_fn(graphdef)
+    k_a = jax.ShapeDtypeStruct((), jnp.int32)
     for b in batches:
         if plan[b] is None:
             continue
         futures[b] = {}
-        for t in BLOCKS:
-            cache_a = jax.eval_shape(lambda b=b: kv(b, plan[b]))
+        acc_a = jax.ShapeDtypeStruct((b,), jnp.int32)
+        for name, capacity, t in [*((t, plan[b], t) for t in BLOCKS), ("draft", dcap, 1)]:
+            cache_a = jax.eval_shape(lambda b=b, c=capacity: kv(b, c))
             tok_a = jax.ShapeDtypeStruct((b, t), jnp.int32)
-            lowered = forward_fn(graphdef, t).lower(params, cache_a, tok_a)
-            futures[b][t] = pool.submit(lowered.compile)
-        cache_a = jax.eval_shape(lambda b=b: kv(b, dcap))
-        lowered = forward_fn(graphdef, 1).lower(
-            params, cache_a, jax.ShapeDtypeStruct((b, 1), jnp.int32)
-        )
-        futures[b]["draft"] = pool.submit(lowered.compile)
+            lowered = fwd.lower((cache_a, acc_a), k_a, params, tok_a)
+            futures[b][name] = pool.submit(lowered.compile)
         log(t0, f"batch {b}: lowered (cache capacity {plan[b]})")
+    executables = {b: {k: f.result() for k, f in fs.items()} for b, fs in futures.items()}
+    pool.shutdown()
+    log(t0, "all compiled")
 
     meta = metadata()
     meta["command"] = "python " + " ".join(sys.argv)
@@ -194,12 +202,11 @@ def main(argv=None) -> int:
     for b in batches:
         if plan[b] is None or time.perf_counter() - t0 > args.budget_s:
             continue
-        exe = {k: f.result() for k, f in futures[b].items()}
-        log(t0, f"batch {b}: compiled")
+        exe = executables.pop(b)
         toks = {t: jnp.asarray(rng.randint(0, cfg.vocab_size, (b, t)), jnp.int32) for t in BLOCKS}
         dcache = kv(b, dcap)
         dcache.length = jnp.full((b,), args.budget, jnp.int32)
-        t_d, dcache = time_forward(exe["draft"], params, dcache, toks[1], args.reps)
+        t_d, dcache = time_forward(exe["draft"], params, dcache, toks[1], args)
         del dcache
         cache = kv(b, plan[b])
         for s in prefixes:
@@ -211,7 +218,7 @@ def main(argv=None) -> int:
             cache.length = jnp.full((b,), s, jnp.int32)
             times = {}
             for t in BLOCKS:
-                times[t], cache = time_forward(exe[t], params, cache, toks[t], args.reps)
+                times[t], cache = time_forward(exe[t], params, cache, toks[t], args)
             t_t = times[1]
             gamma, speedup, t_v = predicted(t_t, t_d, times, args.alpha)
             an = cost_model.analytic_times(
@@ -243,8 +250,6 @@ def main(argv=None) -> int:
                 + f" -> gamma {gamma}, predicted {speedup:.2f}x at alpha {args.alpha}",
             )
         del cache
-        futures[b] = None
-    pool.shutdown(wait=False, cancel_futures=True)
 
     # the (batch, prefix) points that did not fit: analytic, scaled by measured efficiency
     # efficiency from the measured points with the most KV (the regime of those that did not fit)
@@ -294,6 +299,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # without waiting for background compiles a time budget left unused
+    sys.exit(main())

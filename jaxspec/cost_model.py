@@ -19,9 +19,10 @@ the best ``bs`` nodes plus the root (T_V(bs)), and yields the measured tree acce
 ``choose_shape`` compares it with the best chain. ``measure_tree`` measures T_E, T_V(bs) and L
 with the tree engine's own pieces.
 
-Inputs come from ``measure`` (this machine: the engines' own jitted pieces on random prompts of
-the batch and prefix; alpha from a short chain run) or from ``analytic_times`` (a machine not at
-hand: bytes and FLOPs per forward against its bandwidth and peak). Times are in milliseconds.
+Inputs come from ``measure`` (this machine: the engines' own pieces on random prompts of the
+batch and prefix, each timed back to back in an on-device loop as the engines run them; alpha
+from a short chain run) or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per
+forward against its bandwidth and peak). Times are in milliseconds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.timing import chained_ms
+from jaxspec.timing import loop_ms, repeat
 
 
 def omega(gamma: int, alpha: float) -> float:
@@ -165,20 +166,25 @@ class Measurement:
         return choose_gamma(self.t_d, self.t_t, self.t_v, self.alpha, gammas or sorted(self.t_v))
 
 
-# The timed pieces donate the cache they write (as the engines' loops do) and hand it back, so
-# a timing never includes a copy of the whole cache; lengths are kept, so calls repeat.
+# The timed steps: ``looped(step, **static)`` runs k of them in one on-device loop
+# (timing.repeat; timing.loop_ms times it), the state donated as in the engines' loops, so a
+# timing counts neither a copy of the cache nor the ~1 ms a single host call of a small model
+# costs besides its device work. Lengths are kept, so steps repeat; the tokens are summed into
+# the state so that the LM head and the sampling stay in the program.
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(1,))
-def _verify(tparams, cache, token, x, q, key, *, graphdef, sampling):
-    """The chain engine's own verify (the target over gamma + 1 tokens, then the rule)."""
+def verify_step(st, tparams, token, x, q, key, *, graphdef, sampling):
+    """T_V: the chain engine's own verify (the target over gamma + 1 tokens, then the rule);
+    ``st = (cache, token sum)``."""
     from jaxspec.engines.chain import verify
 
-    return verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)[2]
+    cache, acc = st
+    n, nxt, cache = verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)
+    return cache, acc + n + nxt
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnums=(2,))
-def _ar_step(graphdef, tparams, s, *, sampling):
+def ar_step(s, tparams, *, graphdef, sampling):
+    """T_T: one autoregressive step (``autoregressive.State``)."""
     from jaxspec.engines import autoregressive
 
     out = autoregressive.step(graphdef, tparams, s, sampling=sampling, eos=())
@@ -186,9 +192,17 @@ def _ar_step(graphdef, tparams, s, *, sampling):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("draft", "sampling"), donate_argnums=(1,))
-def _propose(dparams, dstate, key, *, draft, sampling):
-    return draft.propose(dparams, dstate, key, 1, sampling)[2]
+def draft_step(st, dparams, key, *, draft, sampling):
+    """T_D: one draft forward (``propose`` with gamma = 1); ``st = (draft state, token sum)``."""
+    dstate, acc = st
+    x, _, dstate = draft.propose(dparams, dstate, key, 1, sampling)
+    return dstate, acc + x[:, 0]
+
+
+@functools.cache
+def looped(step, **static):
+    """The jitted ``timing.repeat`` of ``step`` with its static arguments (one per pair)."""
+    return jax.jit(repeat(functools.partial(step, **static)), donate_argnums=(0,))
 
 
 def measure(
@@ -267,25 +281,20 @@ def measure(
         jnp.zeros((), jnp.int32),
         key,
     )
-    t_t = chained_ms(lambda st: _ar_step(graphdef, tparams, st, sampling=greedy), ar, reps)
+    t_t = loop_ms(looped(ar_step, graphdef=graphdef, sampling=greedy), ar, tparams, reps=reps)
 
     # T_D: one draft step (propose with gamma = 1 is exactly one draft forward)
-    t_d = chained_ms(
-        lambda ds: _propose(dparams, ds, key, draft=draft, sampling=greedy), s.draft, reps
-    )
+    zero = jnp.zeros((batch,), jnp.int32)
+    run = looped(draft_step, draft=draft, sampling=greedy)
+    t_d = loop_ms(run, (s.draft, zero), dparams, key, reps=reps)
 
     # T_V(gamma): one verify of gamma + 1 tokens
     t_v = {}
+    run = looped(verify_step, graphdef=graphdef, sampling=greedy)
     for g in gammas:
         x = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, g)), jnp.int32)
         q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
-        t_v[g] = chained_ms(
-            lambda c, x=x, q=q: _verify(
-                tparams, c, s.token, x, q, key, graphdef=graphdef, sampling=greedy
-            ),
-            s.cache,
-            reps,
-        )
+        t_v[g] = loop_ms(run, (s.cache, zero), tparams, s.token, x, q, key, reps=reps)
 
     # alpha: a short greedy chain run
     if ids is None:
@@ -346,8 +355,8 @@ def choose_shape(
     return "chain", gamma, speedup
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"), donate_argnums=(1,))
-def _tree_verify(tparams, cache, tb, key, out, count, done, *, graphdef, sampling, eos):
+def tree_verify_step(cache, tparams, tb, key, out, count, done, *, graphdef, sampling, eos):
+    """T_V(bs) of a tree: the tree engine's verify of a laid-out block, then its commit."""
     from jaxspec.engines.tree import verify_and_commit
 
     v = verify_and_commit(
@@ -357,8 +366,8 @@ def _tree_verify(tparams, cache, tb, key, out, count, done, *, graphdef, samplin
     return v.cache
 
 
-@functools.partial(jax.jit, static_argnames=("draft", "width", "branch"), donate_argnums=(1,))
-def _grow_once(dparams, dstate, *, draft, width, branch):
+def grow_step(dstate, dparams, *, draft, width, branch):
+    """T_E: one expansion of a tree draft."""
     return draft.grow(dparams, dstate, expansions=1, width=width, branch=branch)
 
 
@@ -413,26 +422,12 @@ def measure_tree(
     grow = jax.jit(draft.grow, static_argnames=("expansions", "width", "branch"))
     dims = dict(width=shape.width, branch=shape.branch)
     grown = grow(dparams, s.draft, expansions=shape.depth, **dims)
-    t_e = chained_ms(lambda ds: _grow_once(dparams, ds, draft=draft, **dims), s.draft, reps)
+    t_e = loop_ms(looped(grow_step, draft=draft, **dims), s.draft, dparams, reps=reps)
     idx, cnt = T.select_subtree(grown.tree, shape.bs)
     tb = T.verify_layout(grown.tree, idx, cnt, s.cache.length, s.cache.length)
     key = jax.random.key(seed + 1)
-    t_v = chained_ms(
-        lambda c: _tree_verify(
-            tparams,
-            c,
-            tb,
-            key,
-            s.out,
-            s.count,
-            s.done,
-            graphdef=graphdef,
-            sampling=greedy,
-            eos=(),
-        ),
-        s.cache,
-        reps,
-    )
+    run = looped(tree_verify_step, graphdef=graphdef, sampling=greedy, eos=())
+    t_v = loop_ms(run, s.cache, tparams, tb, key, s.out, s.count, s.done, reps=reps)
     if ids is None:
         ids, lens = rand_ids, rand_lens
     (_, _, _, emitted, live), _, _ = execute(
@@ -467,9 +462,13 @@ __all__ = [
     "TreeMeasurement",
     "alpha_from_acceptance_length",
     "analytic_times",
+    "ar_step",
     "choose_gamma",
     "choose_shape",
+    "draft_step",
     "forward_ms",
+    "grow_step",
+    "looped",
     "measure",
     "measure_tree",
     "omega",
@@ -477,4 +476,6 @@ __all__ = [
     "prefix_bucket",
     "relative_time",
     "tree_relative_time",
+    "tree_verify_step",
+    "verify_step",
 ]

@@ -3,6 +3,8 @@ model against hand-computed numbers, and the engine's greedy output against auto
 decoding for ragged batches, prompts shorter and longer than the budget, and per-row EOS."""
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +191,36 @@ def test_analytic_times_hand_numbers():
     small = dataclasses.replace(cfg, num_layers=1)
     t_small = cost_model.analytic_times(cfg, 4, 1000, 100, 3, 1e9, 1e10, draft_cfg=small)
     assert t_small["t_d"] < t["t_d"]
+
+
+def test_draft_step_costs_the_budget_not_the_context():
+    """The cost model's timed draft step (one self-draft forward, k of them in one loop)
+    compiles to the same program at any target context: the draft's cache is the budget's,
+    nothing of the target's cache rides along, and no cache-sized copy is made."""
+    from jaxspec.engines import chain
+    from jaxspec.sampling import Sampling
+
+    target = tiny.model(0)
+    d, dparams = magicdec.resolve_draft(target, "self-streaming", budget=BUDGET)
+    greedy = Sampling()
+    step = cost_model.looped(cost_model.draft_step, draft=d, sampling=greedy)
+    costs = []
+    for prefix in (64, 512):
+        ids = jax.ShapeDtypeStruct((2, prefix), jnp.int32)
+        init = functools.partial(
+            chain.init_state, graphdef=target.graphdef, cfg=target.config, draft=d, max_new=2,
+            capacity=prefix + 6, room=6, sampling=greedy, eos=(),
+        )  # fmt: skip
+        lens = jnp.full((2,), prefix, jnp.int32)
+        s = jax.eval_shape(init, target.params, dparams, ids, lens, jax.random.key(0))
+        assert s.draft.cache.capacity == BUDGET + 6
+        acc = jax.ShapeDtypeStruct((2,), jnp.int32)
+        k = jax.ShapeDtypeStruct((), jnp.int32)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        exe = step.lower((s.draft, acc), k, dparams, key).compile()
+        costs.append(exe.cost_analysis()["bytes accessed"])
+        assert not re.search(rf"\[2,{BUDGET + 6},\d+,\d+\]\S* copy\(", exe.as_text())
+    assert costs[0] == costs[1]
 
 
 # ------------------------------------------------------------------------------- engine

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jaxspec import drafts
-from jaxspec.acceptance import accept_chain
+from jaxspec.acceptance import accept_chain, accept_chain_greedy
 from jaxspec.config import ModelConfig
 from jaxspec.engines.common import execute, is_eos, prefill, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
@@ -94,13 +94,17 @@ def emit(s_out, count, done, new_tokens, n_new, eos):
 
 def verify(tparams, cache: KVCache, token, x, q, key, *, graphdef, sampling):
     """The target over ``[token, x_1..x_gamma]`` (gamma + 1 positions), then the lossless chain
-    rule: (accepted count, next token, cache with the block written, not yet committed)."""
+    rule: (accepted count, next token, cache with the block written, not yet committed). Greedy
+    needs no ``q``: the rule is then the argmax match (``accept_chain_greedy``)."""
     b, gamma = x.shape
     block = causal_block(
         cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
     )
     logits, cache = apply(graphdef, tparams, jnp.concatenate([token[:, None], x], 1), cache, block)
-    n_acc, nxt = accept_chain(key, x, q, probs(logits, sampling))
+    if sampling.greedy:  # the same outcome without [B, gamma + 1, V] one-hot rows and a draw
+        n_acc, nxt = accept_chain_greedy(x, jnp.argmax(logits, axis=-1))
+    else:
+        n_acc, nxt = accept_chain(key, x, q, probs(logits, sampling))
     return n_acc, nxt, cache
 
 
