@@ -221,6 +221,9 @@ def method_table(d: dict) -> str:
     same_col = not bench and any("identical_to_autoregressive" in r for r in rows)
     if same_col:
         head.append("same tokens as autoregressive")
+    split_col = bench and any(r.get("time_split") for r in rows)
+    if split_col:
+        head.append("time split: draft / verify / handoff / prefill / host")
     out = []
     for r in rows:
         name = r["method"]
@@ -251,6 +254,8 @@ def method_table(d: dict) -> str:
                 f"{fmt(r.get('speedup_vs_first'))}x",
                 same,
             ]
+            if split_col:
+                line.append(split_cell(r.get("time_split")))
         else:
             speedup = r.get("speedup_vs_ar", r.get("speedup_vs_autoregressive"))
             line += [
@@ -271,11 +276,28 @@ def method_table(d: dict) -> str:
             setup.append("chat template applied")
         setup.append(f"max_new_tokens {d.get('max_new_tokens')}, batch {d.get('batch')}")
         setup.append(f"tokens compared with {d.get('reference', 'the first method')}")
+        if split_col:
+            setup.append(
+                "time split: shares of the wall, measured as component timings x counts (each "
+                "engine piece timed in isolation at the run's shapes, times the run's steps; "
+                "host the remainder, clamped at 0 in a run whose parts exceeded its wall)"
+            )
     else:
         for key, text in SETUP:
             if d.get(key) is not None:
                 setup.append(text.format(d[key]))
     return table(head, out) + "\n\n" + "; ".join(str(s) for s in setup) + "."
+
+
+def split_cell(split: dict | None) -> str:
+    """A ``jaxspec bench`` time split as percentages, draft / verify / handoff / prefill / host."""
+    if not split or "fractions" not in split:
+        return "-"
+    parts = ("draft", "verify", "handoff", "prefill", "host")
+    cells = [f"{100 * split['fractions'].get(p, 0.0):.1f}%" for p in parts]
+    if split.get("host_clamped"):  # in every run (host 0) or some
+        cells[-1] += " (clamped)" if not split.get("host_s") else " (clamped in some runs)"
+    return " / ".join(cells)
 
 
 def sections_body(name: str, d: dict) -> str:

@@ -1,16 +1,25 @@
 """``jaxspec bench``: run methods over a real prompt set and write one JSON with per-prompt and
 overall figures, plus the run's device, jax version, commit and command.
 
-Per prompt: new tokens, wall seconds of its batch, ms per token, acceptance length. Overall per
+Per prompt: new tokens, wall seconds of its batch, ms per token, acceptance length, and its
+batch's time split as shares (``time_split``: draft, verify, handoff, prefill, host). Overall per
 method: tokens/s (all new tokens over all wall time), acceptance length, ms per token (mean,
-p50, p95 over prompts), the time split the engine measures (compile; handoff for swiftspec) and
-the speedup over the first method. Compilation is excluded: each method runs one warm-up batch.
+p50, p95 over prompts), the speedup over the first method, ``time_split_s`` (compile, excluded
+from every figure; run; handoff for swiftspec) and ``time_split``: seconds and shares of the
+wall spent in draft, verify, handoff, prefill and host (``jaxspec.time_split``). The engines run
+their loop on device, so the split is measured as component timings x counts: after each batch
+the engine's own pieces (one draft step, one target verify or decode step, one prefill) are
+timed in isolation at the batch's shapes (once per shape, compile excluded), multiplied by the
+run's step counts, handoff as the engine measured it, and host is the remainder (loop control,
+bookkeeping, commits, dispatch; clamped at 0 with ``host_clamped`` when the parts exceed the
+wall). ``time_split=False`` (``--no-time-split``) skips that extra measurement. Compilation is
+excluded: each method runs one warm-up batch.
 
 Every method's tokens are compared with the reference (autoregressive when it runs, else the first
 method): ``tokens_match`` counts identical prompts, and each prompt says ``matches_reference`` and
 ``first_diff``. ``peers`` (``hf``, ``hf-assisted``; see ``jaxspec.peers``) add HF transformers rows
 on the same weights and prompts, compared with the same reference (reported, never fatal: bf16
-arithmetic may differ).
+arithmetic may differ; no time split).
 """
 
 from __future__ import annotations
@@ -91,8 +100,13 @@ def _draft_name(draft) -> str | None:
     return getattr(draft, "name", None) or type(draft).__name__
 
 
-def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options, bar, over):
+def _method_rows(
+    target, method, draft, prompts, ids, *, batch, max_new, options, bar, over, split, reps
+):
+    from jaxspec import time_split
+    from jaxspec.engines.common import pad_prompts
     from jaxspec.generate import generate
+    from jaxspec.sampling import Sampling
 
     options = {k: v for k, v in options.items() if k in _taken(method)}
     kw = dict(
@@ -103,6 +117,8 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
     )
     first = generate(target, ids[:batch], **kw)  # compile (excluded)
     rows, wall, new, accs, handoff, tokens = [], 0.0, 0, [], 0.0, []
+    units: dict = {}  # time-split units per run shape
+    splits, used, counts = [], [], {"runs": 0, "loop_steps": 0, "draft_steps": 0}
     for start in range(0, len(ids), batch):
         if rows and over():
             break
@@ -113,6 +129,29 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
         new += s["new_tokens"]
         accs.append(s["acceptance_length"])
         handoff += s.get("handoff_s", 0.0)
+        share = None
+        if split:
+            padded, lens = pad_prompts(chunk)  # the shapes the engine ran
+            key = time_split.shape_key(method, padded, s)
+            if key not in units:
+                units[key] = time_split.measure(
+                    target,
+                    method,
+                    kw["draft"],
+                    padded,
+                    lens,
+                    s,
+                    max_new=max_new,
+                    options=options,
+                    sampling=Sampling(),  # the bench decodes greedily, as generate's default
+                    reps=reps,
+                )
+            splits.append(time_split.attribute(s, units[key], method))
+            used.append(units[key])
+            share = time_split.fractions(splits[-1])
+            counts["runs"] += 1
+            counts["loop_steps"] += int(s.get("verify_steps", s["target_steps"] - 1))
+            counts["draft_steps"] += int(s.get("draft_steps", 0))
         for i, toks in enumerate(r.tokens):
             tokens.append(list(toks))
             rows.append(
@@ -123,6 +162,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
                     "wall_s": round(s["wall_s"], 6),
                     "ms_per_token": round(1e3 * s["wall_s"] / max(len(toks), 1), 4),
                     "acceptance_length": round(s["acceptance_length"], 4),
+                    **({"time_split": share} if share is not None else {}),
                 }
             )
         if bar is not None:
@@ -144,6 +184,7 @@ def _method_rows(target, method, draft, prompts, ids, *, batch, max_new, options
             "run": round(wall, 6),
             **({"handoff": round(handoff, 6)} if method == "swiftspec" else {}),
         },
+        **({"time_split": time_split.summarize(splits, used, counts)} if splits else {}),
         "new_tokens": new,
         **({"truncated": True} if len(rows) < len(ids) else {}),
         "per_prompt": rows,
@@ -204,13 +245,17 @@ def run(
     budget_s: float | None = None,
     on_update=None,
     clock=None,
+    time_split: bool = True,
+    split_reps: int = 3,
 ) -> dict:
     """Run every method, then every peer, over the prompts; returns the JSON-ready result.
 
     ``budget_s``: past this many seconds no new batch, method or peer starts (the rows say
     ``truncated`` or ``skipped``), so a time limit still leaves results. ``on_update`` is called
     with the result so far after each method and peer (the CLI writes the JSON each time).
-    ``clock``: seconds, default ``time.monotonic`` (tests pass their own).
+    ``clock``: seconds, default ``time.monotonic`` (tests pass their own). ``time_split``:
+    measure each method's draft / verify / handoff / prefill / host split (``split_reps``
+    timed calls per component and run shape; costs extra time outside every wall).
     """
     import time
 
@@ -258,6 +303,7 @@ def run(
             "prompts": len(ids),
             "max_new_tokens": max_new_tokens,
             "batch": batch,
+            "time_split": time_split,
             **({"budget_s": budget_s} if budget_s is not None else {}),
             "methods": rows,
         }
@@ -305,6 +351,8 @@ def run(
                 options=options,
                 bar=bar,
                 over=over,
+                split=time_split,
+                reps=split_reps,
             )
         bar.close()
         results.append(row)
@@ -315,10 +363,12 @@ def run(
 
 
 def table(result: dict) -> str:
-    """One row per method and peer; ``same`` counts prompts whose tokens equal the reference's."""
+    """One row per method and peer; the time split as percentages of the wall (``*``: host was
+    clamped at 0 in at least one run, whose measured parts exceeded its wall; ``-``: not
+    measured); ``same`` counts prompts whose tokens equal the reference's."""
     head = (
         f"{'method':>15} {'draft':>15} {'tok/s':>9} {'accept':>7} {'ms/tok p50':>11} "
-        f"{'p95':>8} {'speedup':>8} {'same':>7}"
+        f"{'p95':>8} {'speedup':>8} {split_head()} {'same':>7}"
     )
     lines = [head]
     for r in result["methods"]:
@@ -330,6 +380,28 @@ def table(result: dict) -> str:
         lines.append(
             f"{r['method']:>15} {draft:>15} {r['tokens_per_s']:>9.1f} "
             f"{r['acceptance_length']:>7.2f} {r['ms_per_token']['p50']:>11.2f} "
-            f"{r['ms_per_token']['p95']:>8.2f} {r['speedup_vs_first']:>7.2f}x {same:>7}"
+            f"{r['ms_per_token']['p95']:>8.2f} {r['speedup_vs_first']:>7.2f}x "
+            f"{split_cells(r.get('time_split'))} {same:>7}"
         )
     return "\n".join(lines)
+
+
+SPLIT_COLUMNS = (("draft", 6), ("verify", 7), ("handoff", 8), ("prefill", 8), ("host", 6))
+
+
+def split_head() -> str:
+    return " ".join(f"{name + '%':>{w}}" for name, w in SPLIT_COLUMNS)
+
+
+def split_cells(split: dict | None) -> str:
+    """The split's shares as percentages, aligned under ``split_head``."""
+    cells = []
+    for name, w in SPLIT_COLUMNS:
+        if not split:
+            cells.append(f"{'-':>{w}}")
+            continue
+        cell = f"{100 * split['fractions'][name]:.1f}"
+        if name == "host" and split.get("host_clamped"):
+            cell += "*"
+        cells.append(f"{cell:>{w}}")
+    return " ".join(cells)

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run methods over a real prompt set; write JSON and print a table",
         description="Runs each method over the prompts (one warm-up batch each, excluded) and "
         "writes per-prompt and overall tokens/s, acceptance length, ms per token (mean, p50, "
-        "p95) and the measured time split, with device, jax version, commit and command.",
+        "p95) and the time split (draft, verify, handoff, prefill, host: component timings x "
+        "counts), with device, jax version, commit and command.",
     )
     _add_model_args(b)
     b.add_argument(
@@ -125,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="time limit: past it no new batch, method or peer starts; the JSON (written after "
         "each method and peer) keeps what finished",
+    )
+    b.add_argument(
+        "--time-split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure each method's time split (draft, verify, handoff, prefill, host) by "
+        "timing its pieces in isolation at each batch's shapes and multiplying by the run's "
+        "counts; costs extra time outside every measured wall (default: on)",
     )
     b.add_argument("--out", default=None, help="write the JSON here")
 
@@ -386,11 +395,22 @@ def cmd_bench(args) -> int:
         peers=[p for p in args.peers.split(",") if p],
         budget_s=args.budget_s,
         on_update=write,
+        time_split=args.time_split,
     )
     if args.out:
         write(result)
         print(f"wrote {args.out}", file=sys.stderr)
     print(bench.table(result))
+    clamped = [
+        m["method"] for m in result["methods"] if m.get("time_split", {}).get("host_clamped")
+    ]
+    if clamped:
+        print(
+            f"* {', '.join(clamped)}: in some run the measured parts exceeded the wall and host "
+            "was clamped at 0 there (draft overlapping the verify, or the load changing between "
+            "a run and its measurement; overshoot_s in the JSON says by how much)",
+            file=sys.stderr,
+        )
     return 0
 
 

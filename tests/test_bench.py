@@ -6,7 +6,7 @@ import json
 import pytest
 
 import jaxspec
-from jaxspec import bench, cli, datasets
+from jaxspec import bench, cli, datasets, time_split
 from jaxspec.prompts import encode_prompts
 from tests import hf_fixtures
 
@@ -81,11 +81,83 @@ def test_bench_writes_the_schema_and_prints_a_table(ckpt, tmp_path, capsys):
         assert [p["prompt"] for p in m["per_prompt"]] == [0, 1, 2]
         assert sum(p["new_tokens"] for p in m["per_prompt"]) == m["new_tokens"]
     assert r["methods"][0]["speedup_vs_first"] == 1.0
+    assert r["time_split"] is True
+    for m in r["methods"]:
+        check_time_split(m)
+    ar, chain, tree = r["methods"]
+    assert ar["time_split"]["draft_s"] == 0 and ar["time_split"]["counts"]["draft_steps"] == 0
+    assert chain["time_split"]["counts"]["draft_steps"] > 0  # ngram's lookup: microseconds
+    assert "gamma=3" in chain["time_split"]["draft_unit"]
+    assert "depth=2" in tree["time_split"]["draft_unit"]
+    # batches of 2 and 1 prompts: two run shapes, each measured once
+    assert [u["rows"] for u in ar["time_split"]["units_ms"]] == [2, 1]
+    assert ar["time_split"]["counts"]["runs"] == 2
     # each method gets the options it takes
     assert [m["options"] for m in r["methods"]] == [{}, {"gamma": 3}, {"depth": 2}]
     table = capsys.readouterr().out.strip().splitlines()
     assert len(table) == 4 and "tok/s" in table[0]
     assert [line.split()[0] for line in table[1:]] == ["autoregressive", "chain", "tree"]
+    # the split's percentages, in the order of the head's columns
+    head = table[0].split()
+    cols = [head.index(f"{p}%") - len(head) for p in time_split.PARTS]
+    for line, m in zip(table[1:], r["methods"], strict=True):
+        cells = line.split()
+        for p, c in zip(time_split.PARTS, cols, strict=True):
+            assert float(cells[c].rstrip("*")) == pytest.approx(
+                100 * m["time_split"]["fractions"][p], abs=0.051
+            ), (m["method"], p)
+
+
+def check_time_split(m):
+    """A method's time split: every part present and non-negative, the parts sum to the wall
+    (beyond it only by the reported overshoot when host was clamped), shares that sum to one,
+    and every prompt carries its batch's shares."""
+    ts = m["time_split"]
+    assert ts["method"] == "component timings x counts" and "host" in ts["how"]
+    parts = [ts[f"{p}_s"] for p in time_split.PARTS]
+    assert all(x >= 0 for x in parts), ts
+    assert ts["wall_s"] == pytest.approx(m["time_split_s"]["run"], abs=1e-5)
+    over = ts.get("overshoot_s", 0.0)
+    assert ts["host_clamped"] == (over > 0)  # some run's parts exceeded its wall
+    assert sum(parts) == pytest.approx(ts["wall_s"] + over, abs=1e-4), ts
+    assert ts["verify_s"] > 0 and ts["prefill_s"] > 0 and ts["prefill_measured"]
+    assert sum(ts["fractions"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert ts["counts"]["loop_steps"] > 0 and ts["measure_s"] > 0
+    for u in ts["units_ms"]:
+        assert u["verify_ms"] > 0 and u["prefill_ms"] > 0 and u["draft_ms"] >= 0
+    for p in m["per_prompt"]:
+        assert set(p["time_split"]) == set(time_split.PARTS)
+        assert sum(p["time_split"].values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_no_time_split_skips_the_measurement(ckpt, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(ckpt), "--methods", "autoregressive", "--prompts", "1"]
+    assert cli.main([*argv, "--max-new-tokens", "3", "--no-time-split", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["time_split"] is False and "time_split" not in r["methods"][0]
+    assert "time_split" not in r["methods"][0]["per_prompt"][0]
+    row = capsys.readouterr().out.strip().splitlines()[1].split()
+    assert row[-6:-1] == ["-"] * 5
+
+
+def test_time_split_attribution_counts_units_and_clamps_the_host():
+    units = time_split.Units(1, 16, 20, 4.0, 2.0, 10.0, "d", "v", 0.5)
+    stats = {"wall_s": 1.0, "target_steps": 51, "draft_steps": 200}
+    s = time_split.attribute(stats, units, "chain")
+    assert s["draft_s"] == pytest.approx(0.1) and s["verify_s"] == pytest.approx(0.5)
+    assert s["prefill_s"] == pytest.approx(0.004) and s["handoff_s"] == 0
+    assert s["host_s"] == pytest.approx(0.396) and not s["host_clamped"]
+    assert time_split.attribute(stats, units, "autoregressive")["draft_s"] == 0
+    # swiftspec: counts of its own, its handoff, the draft overlapping the verify
+    sw = {"wall_s": 1.0, "target_steps": 61, "verify_steps": 60, "draft_expansions": 300}
+    s = time_split.attribute({**sw, "handoff_s": 0.05}, units, "swiftspec")
+    assert s["draft_s"] == pytest.approx(0.6) and s["verify_s"] == pytest.approx(0.6)
+    assert s["host_clamped"] and s["host_s"] == 0
+    assert s["overshoot_s"] == pytest.approx(0.6 + 0.6 + 0.05 + 0.004 - 1.0)
+    whole = time_split.summarize([s], [units], {})
+    assert whole["host_clamped"] and whole["overshoot_s"] == pytest.approx(s["overshoot_s"])
+    assert sum(whole["fractions"].values()) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_bench_peers_and_the_chat_set(ckpt, tmp_path, capsys):

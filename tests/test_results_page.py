@@ -207,6 +207,27 @@ def test_sections_for_each_layout_in_page_order(folders):
     assert "`results/old_run.log` · not recorded" in text and "The log said 3." in text
 
 
+def test_bench_time_split_gets_a_column(folders):
+    """A bench JSON whose rows carry a time split shows it as percentages (peers without one:
+    "-"); a JSON without any keeps the table as it was (the test above)."""
+    fr = {"draft": 0.05, "verify": 0.7, "handoff": 0.0, "prefill": 0.1, "host": 0.15}
+    rows = [dict(r) for r in BENCH["methods"]]
+    rows[1]["time_split"] = {"fractions": fr, "host_clamped": False}
+    rows[0]["time_split"] = {"fractions": {**fr, "host": 0.0}, "host_clamped": True, "host_s": 0}
+    rows[2] = {**rows[2], "peer": False, "time_split": {"fractions": fr, "host_clamped": True}}
+    rows[2]["time_split"]["host_s"] = 0.2
+    (folders / "results" / "bench_cpu.json").write_text(json.dumps({**BENCH, "methods": rows}))
+    text = make_results.render()
+    assert "| time split: draft / verify / handoff / prefill / host |" in text
+    assert "| 1.575x | 2/2 | 5.0% / 70.0% / 0.0% / 10.0% / 15.0% |" in text
+    assert "| 1x | 2/2 | 5.0% / 70.0% / 0.0% / 10.0% / 0.0% (clamped) |" in text
+    assert "| 0.6125x | 1/2 | 5.0% / 70.0% / 0.0% / 10.0% / 15.0% (clamped in some runs) |" in text
+    rows[2] = BENCH["methods"][2]
+    (folders / "results" / "bench_cpu.json").write_text(json.dumps({**BENCH, "methods": rows}))
+    text = make_results.render()
+    assert "| 0.6125x | 1/2 | - |" in text and "component timings x counts" in text
+
+
 def test_per_device_sections_get_their_own_tables_and_plots(folders, tmp_path):
     (folders / "results" / "distill.json").write_text(json.dumps(DISTILL))
     text = make_results.render()
