@@ -31,7 +31,7 @@ case "${1:?call 1, 2 or 3}" in
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
   echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
-  timeout 540 python3 benchmarks/bench_magicdec.py --budget-s "${MAGICDEC_BUDGET:-470}" \
+  timeout 510 python3 benchmarks/bench_magicdec.py --budget-s "${MAGICDEC_BUDGET:-420}" \
     --out "$OUT/magicdec.json" 2>&1 | tee "$OUT/magicdec.log" | quiet | tail -50
   ;;
 3)
