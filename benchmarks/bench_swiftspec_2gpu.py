@@ -25,6 +25,27 @@ from jaxspec.generate import generate
 from jaxspec.model import new_model
 
 
+def device_put_blocks(d0, d1) -> dict:
+    """Host milliseconds of a cross-device ``jax.device_put`` of a value still being computed
+    (a ~20 ms matmul chain on d1) against one of a ready value: whether the handoff blocks the
+    host until its source is ready (then the host sits on the critical path)."""
+    import time
+
+    x = jax.device_put(jnp.ones((4096, 4096), jnp.bfloat16), d1)
+    work = jax.jit(lambda a: jax.lax.fori_loop(0, 60, lambda _, b: (b @ a) * 1e-3, a)[:4, :4])
+    jax.block_until_ready(work(x))
+    out = {}
+    for name in ("pending", "ready"):
+        y = work(x)
+        if name == "ready":
+            jax.block_until_ready(y)
+        t = time.perf_counter()
+        z = jax.device_put(y, d0)
+        out[name] = round((time.perf_counter() - t) * 1e3, 3)
+        jax.block_until_ready(z)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new", type=int, default=48)
@@ -59,7 +80,7 @@ def main():
     common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
     # the engine's default (no refill on the critical path, extra expansions only while the
     # draft is idle and one fits), then the variants that put draft work back on that path
-    variants = {"default": {}, "no_extra": {"max_extra": 0}, f"refill_{d}": {"refill": d}}
+    variants = {"default": {}, "extra_8": {"max_extra": 8}, f"refill_{d}": {"refill": d}}
     runs = {}
     for name, opts in variants.items():
         for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
@@ -106,6 +127,7 @@ def main():
         "expansions_in_flight": r.stats["expansions_in_flight"],
         "verify_steps_async": r.stats["verify_steps"],
         "target_steps_serial": rs.stats["target_steps"],
+        "device_put_blocks_ms": device_put_blocks(d0, d1),
         "identical_tokens": all(x.tokens == rs.tokens for x in runs.values()),
         "variants": {
             name: {
@@ -115,6 +137,7 @@ def main():
                 "expansions_in_flight": x.stats["expansions_in_flight"],
                 "refill_expansions": x.stats["refill_expansions"],
                 "verify_steps": x.stats["verify_steps"],
+                "host_ms_per_iteration": x.stats["host_ms_per_iteration"],
             }
             for name, x in runs.items()
         },

@@ -91,30 +91,19 @@ def measure(
         return box["ds"].tree.size
 
     t_draft = median_ms(expand, reps)
-    snap = sw.draft_snapshot(box["ds"], bs=bs)
-    snap_t = jax.device_put(snap, on_t)
-    key = jax.device_put(jax.random.key(1), on_t)
+    snap, flat = sw.draft_snapshot(box["ds"], bs=bs)
+    flat_t = jax.device_put(flat, on_t)
     tbox = {"ts": ts}
-
-    verify_exe, _ = compiled(
-        sw.target_verify,
-        tflat,
-        ts,
-        snap_t,
-        key,
-        ptree=tptree,
-        graphdef=target.graphdef,
-        sampling=s,
-        eos=(),
-    )
+    kw = dict(ptree=tptree, graphdef=target.graphdef, sampling=s, eos=(), layout=sw.spec(snap))
+    verify_exe, _ = compiled(sw.target_verify, tflat, ts, flat_t, **kw)
 
     def verify():
-        tbox["ts"], v = verify_exe(tflat, tbox["ts"], snap_t, key)
-        tbox["v"] = v
+        tbox["ts"], v, tbox["v"] = verify_exe(tflat, tbox["ts"], flat_t)
         return v.n
 
     t_verify = median_ms(verify, reps)
-    handoff = median_ms(lambda: jax.device_put(snap, on_t), reps) + median_ms(
+    # the engine's handoffs: the packed snapshot to the target, the packed verdict back
+    handoff = median_ms(lambda: jax.device_put(flat, on_t), reps) + median_ms(
         lambda: jax.device_put(tbox["v"], on_d), reps
     )
     d = max(1, round((t_verify - handoff) / t_draft))

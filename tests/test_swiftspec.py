@@ -76,9 +76,10 @@ def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes(r
         assert s["acceptance_length"] == pytest.approx(3.0)
         assert s["refill_expansions"] > 0
     else:
-        # nothing waits for the draft: it adds d = 2 levels per verification, so a chain
-        # accepts about d tokens a verify (the bonus included), never the full 3
-        assert 2.0 <= s["acceptance_length"] < 2.5
+        # nothing waits for the draft: it adds at most d = 2 levels per verification, so a
+        # chain accepts at most about d tokens a verify (the bonus included), never the full 3;
+        # more than 1 because the nodes grown during each verify survive the re-root
+        assert 1.0 < s["acceptance_length"] <= 2.2
         assert s["refill_expansions"] == 0
 
 
@@ -94,6 +95,9 @@ def test_reroot_invariants_hold_after_every_verification():
         # the draft's root slot is the target's cache length (both dense), and its root token
         # is the last token the target emitted
         live = np.flatnonzero(~np.asarray(ts.done))  # finished rows stop committing
+        # the last accepted node's K/V when it was a leaf never expanded: computed once by the
+        # next expansion's catch-up query (its slot is named until then), never recomputed
+        pending = np.asarray(ds.catchup_slot)
         np.testing.assert_array_equal(length[live], np.asarray(ts.cache.length)[live])
         roots = np.asarray(ds.tree.token[:, 0])
         for b in live:
@@ -103,12 +107,14 @@ def test_reroot_invariants_hold_after_every_verification():
             seq = list(ps[b]) + out[b, : count[b] - 1].tolist()
             assert len(seq) == length[b]
             ref_k, ref_v = prefill_kv(draft, seq)
+            done = np.arange(length[b]) != pending[b]
+            assert done.sum() >= length[b] - 1  # at most one (the last) pending
             for layer in range(draft.config.num_layers):
                 np.testing.assert_allclose(
-                    ds.cache.k[layer][b, : length[b]], ref_k[layer], atol=1e-5
+                    ds.cache.k[layer][b, : length[b]][done], ref_k[layer][done], atol=1e-5
                 )
                 np.testing.assert_allclose(
-                    ds.cache.v[layer][b, : length[b]], ref_v[layer], atol=1e-5
+                    ds.cache.v[layer][b, : length[b]][done], ref_v[layer][done], atol=1e-5
                 )
         # kept trees are well formed: parents come before children, depths follow parents
         tree = ds.tree
@@ -172,8 +178,8 @@ def test_a_fault_in_either_worker_raises_and_the_engine_runs_again(worker, monke
         real = swiftspec.target_verify
 
         def bad_verify(*args, **kw):
-            s, v = real(*args, **kw)
-            return s, swiftspec.Verdict(v.path, v.n - 100, v.next, v.done)  # a bad value
+            s, v, flat = real(*args, **kw)
+            return s, swiftspec.Verdict(v.path, v.n - 100, v.next, v.done), flat  # a bad value
 
         monkeypatch.setattr(swiftspec, "target_verify", bad_verify)
     with pytest.raises(WorkerError, match=worker):

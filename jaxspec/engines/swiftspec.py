@@ -7,9 +7,9 @@ dispatch; nothing in the loop waits on a device except the handoff:
     snapshot_0 = best bs nodes of the draft's tree                    (mesh B)
     loop:
         verify snapshot_n                                             (mesh A, in flight)
-        grow the draft tree d times, and once more each time the draft is idle and another
-          expansion still fits in the verify's expected time (parallel tree generation)
-        handoff: path, n, bonus -> mesh B   (a few ids)
+        grow the draft tree d times (parallel tree generation; with max_extra, once more each
+          time the draft is idle and another expansion fits in the verify's expected time)
+        handoff: path, n, bonus -> mesh B   (a few ids, packed into one array)
         re-root the *grown* tree on the verified path (evolving tree cache: verified KV to the
           prefix, the bonus token's subtree kept -- including nodes grown during the verify --
           dead branches dropped, nothing recomputed); take snapshot_{n+1} at once
@@ -20,7 +20,9 @@ alone (a one-token verify, like a decode step) while the draft grows its new tre
 verify; waiting for ``refill`` expansions first (an option, default 0) puts them back on the
 critical path, which measured 1.6x slower on two H200s (benchmarks/notes/swiftspec_2gpu.md).
 
-Only token ids and the snapshot (<= bs + 1 nodes) cross between meshes (``jax.device_put``).
+Only token ids and the snapshot (<= bs + 1 nodes) cross between meshes (``jax.device_put``), each
+packed into one int32 array: one transfer per direction. The sampling key lives in the target's
+state. ``host_ms_per_iteration`` in the stats says where the host's time goes.
 Exactness is the tree engine's: ``accept_tree`` is lossless for any snapshot.
 """
 
@@ -58,6 +60,7 @@ class TargetState:
     steps: jax.Array
     emitted: jax.Array
     live_steps: jax.Array
+    key: jax.Array  # split on device each verify: no per-iteration key work on the host
 
 
 @pytree_dataclass
@@ -68,6 +71,28 @@ class Verdict:
     n: jax.Array
     next: jax.Array
     done: jax.Array
+
+
+def pack(tree) -> jax.Array:
+    """A pytree of integer/bool arrays as one flat int32 array: one transfer between meshes
+    instead of one per leaf (each cross-device copy has a fixed latency)."""
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in jax.tree.leaves(tree)])
+
+
+def spec(tree) -> tuple:
+    """The static layout ``unpack`` needs: (treedef, ((shape, dtype), ...)); hashable."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
+
+
+def unpack(flat: jax.Array, layout: tuple):
+    treedef, shapes = layout
+    leaves, at = [], 0
+    for shape, dtype in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        leaves.append(flat[at : at + size].reshape(shape).astype(dtype))
+        at += size
+    return jax.tree.unflatten(treedef, leaves)
 
 
 # ---------------------------------------------------------------- target worker (mesh A)
@@ -88,15 +113,21 @@ def target_prefill(
     zero = jnp.zeros((b,), jnp.int32)
     out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
     done = is_eos(tok, eos) | (max_new <= 1)
-    return TargetState(cache, out, zero + 1, done, jnp.zeros((), jnp.int32), zero, zero), tok
+    state = TargetState(
+        cache, out, zero + 1, done, jnp.zeros((), jnp.int32), zero, zero, jax.random.fold_in(key, 1)
+    )
+    return state, tok
 
 
 @functools.partial(
-    jax.jit, static_argnames=("ptree", "graphdef", "sampling", "eos"), donate_argnums=1
+    jax.jit, static_argnames=("ptree", "graphdef", "sampling", "eos", "layout"), donate_argnums=1
 )
-def target_verify(tflat, s: TargetState, snap: T.TreeBlock, key, *, ptree, graphdef, sampling, eos):
-    """Verify a snapshot laid out at root slot/position 0: shift it to this cache's length."""
+def target_verify(tflat, s: TargetState, packed, *, ptree, graphdef, sampling, eos, layout):
+    """Verify a snapshot (``packed``, laid out at root slot/position 0: shifted here to this
+    cache's length). Returns (state, verdict, the verdict packed for the draft's mesh)."""
     tparams = jax.tree.unflatten(ptree, tflat)
+    snap: T.TreeBlock = unpack(packed, layout)
+    key, sub = jax.random.split(s.key)
     block = dataclasses.replace(
         snap.block,
         positions=snap.block.positions + s.cache.length[:, None],
@@ -107,7 +138,7 @@ def target_verify(tflat, s: TargetState, snap: T.TreeBlock, key, *, ptree, graph
         tparams,
         s.cache,
         tb,
-        key,
+        sub,
         s.out,
         s.count,
         s.done,
@@ -123,8 +154,10 @@ def target_verify(tflat, s: TargetState, snap: T.TreeBlock, key, *, ptree, graph
         s.steps + 1,
         s.emitted + jnp.where(v.live, v.n + 1, 0),
         s.live_steps + v.live,
+        key,
     )
-    return s, Verdict(v.path, v.n, v.next, jnp.all(v.done))
+    verdict = Verdict(v.path, v.n, v.next, jnp.all(v.done))
+    return s, verdict, pack(verdict)
 
 
 # ---------------------------------------------------------------- draft worker (mesh B)
@@ -149,23 +182,28 @@ def draft_grow(dflat, s, *, ptree, draft, width, branch, n):
 
 @functools.partial(jax.jit, static_argnames=("bs",))
 def draft_snapshot(s, *, bs):
-    """The best bs nodes as a verify block at root slot/position 0 (the target shifts it)."""
+    """The best bs nodes as a verify block at root slot/position 0 (the target shifts it), and
+    the same packed for the target's mesh."""
     idx, cnt = T.select_subtree(s.tree, bs)
     zero = jnp.zeros_like(cnt)
-    return T.verify_layout(s.tree, idx, cnt, zero, zero)
+    snap = T.verify_layout(s.tree, idx, cnt, zero, zero)
+    return snap, pack(snap)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("ptree", "draft", "width", "branch", "bs", "limit"),
+    static_argnames=("ptree", "draft", "width", "branch", "bs", "limit", "layout"),
     donate_argnums=1,
 )
-def draft_next(dflat, s, snap: T.TreeBlock, v: Verdict, *, ptree, draft, width, branch, bs, limit):
+def draft_next(
+    dflat, s, snap: T.TreeBlock, packed, *, ptree, draft, width, branch, bs, limit, layout
+):
     """One call on the verdict: re-root the grown tree (evolving tree cache), refill a tree
     smaller than bs + 1 nodes with at most ``limit`` expansions (0: none; a tree always holds
     its root, so the snapshot is never empty), take the next snapshot. Returns (state,
-    snapshot, refill expansions)."""
+    snapshot, the snapshot packed, refill expansions)."""
     dparams = jax.tree.unflatten(ptree, dflat)
+    v: Verdict = unpack(packed, layout)
     s = draft.commit(s, snap, v.path, v.n, v.next)
 
     def short(c):
@@ -177,7 +215,8 @@ def draft_next(dflat, s, snap: T.TreeBlock, v: Verdict, *, ptree, draft, width, 
         return draft.grow(dparams, st, expansions=1, width=width, branch=branch), i + 1
 
     s, grown = jax.lax.while_loop(short, grow, (s, jnp.zeros((), jnp.int32)))
-    return s, draft_snapshot(s, bs=bs), grown
+    snap, flat = draft_snapshot(s, bs=bs)
+    return s, snap, flat, grown
 
 
 # ---------------------------------------------------------------- placement
@@ -244,7 +283,7 @@ OPTIONS = (
 def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
     reject_unknown("swiftspec", options, OPTIONS)
     observe = options.pop("observe", None)  # test hook: called with (target, draft) states
-    max_extra = _count("max_extra", options.pop("max_extra", 8))
+    max_extra = _count("max_extra", options.pop("max_extra", 0))
     refill = _count("refill", options.pop("refill", 0))
     width = positive_int("width", options.pop("width", 8), maximum=64)
     branch = positive_int("branch", options.pop("branch", 4), maximum=16)
@@ -275,7 +314,9 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 target, draft, prompts[0], (len(tdev), len(ddev)), width=width, branch=branch, bs=bs
             )
     d = positive_int("depth", depth if depth is not None else profiled.d, maximum=32)
-    shape = TreeShape(depth=d + max_extra, width=width, branch=branch, bs=bs)
+    # room for the levels a snapshot's tree holds (d) plus the d grown while it is verified,
+    # plus the extra expansions: a full tree cannot grow during the verify
+    shape = TreeShape(depth=2 * d + max_extra, width=width, branch=branch, bs=bs)
     dr, dparams = tree_drafts.resolve(
         target,
         draft,
@@ -299,6 +340,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     )
     run_worker = functools.partial(_worker, stats, {})
     pace = _Pace(profiled.t_verify_ms / 1e3, profiled.t_draft_ms / 1e3) if profiled else _Pace()
+    clock = _Laps()
     refills = []  # expansion counts of the refills, summed once at the end (no sync per step)
     t0 = time.perf_counter()
     try:
@@ -330,26 +372,29 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         )
         ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
         stats["draft_expansions"] += d
-        snap = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
+        snap, flat = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
+        snap_layout, verdict_layout = spec(snap), None
         previous = None
         while True:
+            clock.lap()
             with Timer() as h:
-                snap_t = jax.device_put(snap, on_t)
-            key, sub = jax.random.split(key)
-            ts, verdict = run_worker(
+                flat_t = jax.device_put(flat, on_t)
+            clock.lap("put_snapshot")
+            ts, verdict, vflat = run_worker(
                 "target",
                 target_verify,
                 tflat,
                 ts,
-                snap_t,
-                jax.device_put(sub, on_t),
+                flat_t,
                 ptree=tptree,
                 graphdef=target.graphdef,
                 sampling=sampling,
                 eos=eos,
+                layout=snap_layout,
             )
+            verdict_layout = verdict_layout or spec(verdict)
             stats["verify_steps"] += 1
-            t_verify0 = time.perf_counter()
+            t_verify0 = clock.lap("verify")
             # parallel tree generation: d expansions in one call while the verify is in
             # flight, then single ones while the draft is idle and one still fits (up to
             # max_extra); never queue expansions the verdict would have to wait behind
@@ -357,6 +402,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
             ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
             stats["draft_expansions"] += d
             stats["expansions_in_flight"] += d * in_flight
+            clock.lap("grow")
             for _ in range(max_extra):
                 if not pace.another_fits(verdict, ds, t_verify0):
                     break
@@ -364,18 +410,30 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 pace.dispatched()
                 stats["draft_expansions"] += 1
                 stats["expansions_in_flight"] += 1
+            clock.lap("extra")
             # the one host sync: the *previous* verdict (long finished, since this verify
             # waited for it), read after this iteration's work is dispatched
             if previous is not None and bool(_checked(previous, shape.bs)):
                 stats["verify_steps"] -= 1  # this verify only re-ran finished rows
                 break
+            clock.lap("check")
             with Timer() as h2:
-                v = jax.device_put(verdict, on_d)
+                v = jax.device_put(vflat, on_d)
             stats["handoff_s"] += h.s + h2.s
-            ds, snap_next, grown = run_worker(
-                "draft", draft_next, dflat, ds, snap, v, bs=shape.bs, limit=refill, **tree_kw
+            clock.lap("put_verdict")
+            ds, snap, flat, grown = run_worker(
+                "draft",
+                draft_next,
+                dflat,
+                ds,
+                snap,
+                v,
+                bs=shape.bs,
+                limit=refill,
+                layout=verdict_layout,
+                **tree_kw,
             )
-            snap = snap_next
+            clock.lap("next")
             if observe is not None:
                 observe(ts, ds)
             refills.append(grown)
@@ -397,6 +455,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         draft_steps=stats["draft_expansions"],
         acceptance_length=float(np.asarray(ts.emitted).sum()) / live,
         profiled=dataclasses.asdict(profiled) if profiled else None,
+        host_ms_per_iteration=clock.per_lap_ms(max(stats["verify_steps"], 1)),
         target_devices=len(tdev),
         draft_devices=len(ddev),
         d=d,
@@ -479,3 +538,22 @@ class _Pace:
 
 def _mean(old: float | None, new: float) -> float:
     return new if old is None else 0.5 * (old + new)
+
+
+class _Laps:
+    """Host seconds spent in each phase of the loop (dispatches, transfers, waits): where the
+    host's share of an iteration goes. ``lap(name)`` charges the time since the last lap."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str | None = None) -> float:
+        now = time.perf_counter()
+        if name is not None:
+            self.total[name] = self.total.get(name, 0.0) + now - self._t
+        self._t = now
+        return now
+
+    def per_lap_ms(self, n: int) -> dict[str, float]:
+        return {k: round(v / n * 1e3, 4) for k, v in self.total.items()}
