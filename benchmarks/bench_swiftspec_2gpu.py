@@ -80,7 +80,7 @@ def main():
     common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
     # the engine's default (no refill on the critical path, extra expansions only while the
     # draft is idle and one fits), then the variants that put draft work back on that path
-    variants = {"default": {}, "extra_8": {"max_extra": 8}, f"refill_{d}": {"refill": d}}
+    variants = {"default": {}, f"refill_{d}": {"refill": d}}
     runs = {}
     for name, opts in variants.items():
         for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
