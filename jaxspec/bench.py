@@ -83,7 +83,7 @@ def _command(argv: list[str]) -> str:
     head = argv[0] if argv else ""
     if pathlib.Path(head).name == "jaxspec" or head.endswith(("jaxspec/cli.py", "jaxspec.cli")):
         return " ".join(["jaxspec", *argv[1:]])
-    return " ".join([pathlib.Path(sys.executable).name, *argv])
+    return " ".join(["python", *argv])  # the interpreter's own name (python3.13, ...) is noise
 
 
 def _taken(method: str) -> tuple[str, ...]:
