@@ -479,17 +479,19 @@ def _profile_magicdec(args, target, draft) -> int:
             return datasets.longdoc_prompts(target.tokenizer, b, p)
 
     print(
-        f"{'batch':>5} {'prefix':>6} {'T_T ms':>8} {'T_D ms':>8} {'alpha':>5} {'gamma':>5} "
-        f"{'T_V ms':>8} {'speedup':>7}"
+        f"{'batch':>5} {'prefix':>6} {'T_T ms':>8} {'T_D ms':>8} {'alpha':>5} {'slow':>5} "
+        f"{'gamma':>5} {'T_V ms':>8} {'speedup':>7}"
     )
+    print("(alpha: the mean row's; slow: the slowest row's, which the batch waits for and the ")
+    print(" predictions use)")
 
     def row(r):
         for i, g in enumerate(sorted(r["t_v_ms"])):
             lead = (
                 f"{r['batch']:>5} {r['prefix']:>6} {r['t_t_ms']:>8.3f} {r['t_d_ms']:>8.3f} "
-                f"{r['alpha']:>5.2f}"
+                f"{r['alpha']:>5.2f} {r['alpha_slowest_row']:>5.2f}"
                 if i == 0
-                else " " * 37
+                else " " * 43
             )
             mark = " <" if r["shape"] == "chain" and g == r["gamma"] else ""
             print(f"{lead} {g:>5} {r['t_v_ms'][g]:>8.3f} {r['predicted_speedup'][g]:>6.2f}x{mark}")
@@ -497,12 +499,13 @@ def _profile_magicdec(args, target, draft) -> int:
             t = r["tree"]
             mark = " <" if r["shape"] == "tree" else ""
             print(
-                f"{'':>37} tree d{t['depth']} w{t['width']} k{t['branch']} bs{t['bs']}: "
+                f"{'':>43} tree d{t['depth']} w{t['width']} k{t['branch']} bs{t['bs']}: "
                 f"T_E {t['t_e']:.3f} ms, T_V {t['t_v']:.3f} ms, accepted length "
-                f"{t['acceptance_length']:.2f}, {t['predicted_speedup']:.2f}x{mark}"
+                f"{t['acceptance_length']:.2f} (slowest row {t['slowest_length']:.2f}), "
+                f"{t['predicted_speedup']:.2f}x{mark}"
             )
         what = f"chain, gamma {r['gamma']}" if r["shape"] == "chain" else "tree"
-        print(f"{'':>37} chosen: {what} (predicted {r['speedup']:.2f}x)", flush=True)
+        print(f"{'':>43} chosen: {what} (predicted {r['speedup']:.2f}x)", flush=True)
 
     magicdec.profile(
         target,

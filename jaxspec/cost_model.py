@@ -19,6 +19,13 @@ the best ``bs`` nodes plus the root (T_V(bs)), and yields the measured tree acce
 ``choose_shape`` compares it with the best chain. ``measure_tree`` measures T_E, T_V(bs) and L
 with the tree engine's own pieces.
 
+A batch decodes until its slowest row is done (every row makes max_new tokens; finished rows
+idle), so a batch's time is set by the row that accepts least, not by the mean. MagicDec's alpha
+is the mean; the choice here uses the slowest row's (``Measurement.batch_alpha``, from the
+per-row acceptance of the same short run; at batch 1 the two agree). On two H200s the mean-alpha
+model predicted 1.26x where 0.71x was measured at batch 128, prefix 2K: the loop ran 47 steps
+while the mean row needed 27 (``benchmarks/notes/magicdec.md``).
+
 Inputs come from ``measure`` (this machine: the engines' own pieces on random prompts of the
 batch and prefix, each timed back to back in an on-device loop as the engines run them; alpha
 from a short chain run) or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per
@@ -161,9 +168,25 @@ class Measurement:
     alpha: float
     alpha_gamma: int
     acceptance_length: float
+    slowest_length: float | None = None  # the row that accepted least (None: as the mean)
+
+    @property
+    def batch_alpha(self) -> float:
+        """The alpha a batch decodes at: its slowest row's (the loop waits for it)."""
+        if self.slowest_length is None:
+            return self.alpha
+        return alpha_from_acceptance_length(self.slowest_length, self.alpha_gamma)
 
     def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float]:
-        return choose_gamma(self.t_d, self.t_t, self.t_v, self.alpha, gammas or sorted(self.t_v))
+        gammas = gammas or sorted(self.t_v)
+        return choose_gamma(self.t_d, self.t_t, self.t_v, self.batch_alpha, gammas)
+
+
+def slowest_row_length(emitted, live) -> float:
+    """Tokens per verification of the row that made fewest (rows that verified at all)."""
+    emitted, live = np.asarray(emitted, np.float64), np.asarray(live, np.float64)
+    rows = live > 0
+    return float((emitted[rows] / live[rows]).min()) if rows.any() else 1.0
 
 
 # The timed steps: ``looped(step, **static)`` runs k of them in one on-device loop
@@ -325,6 +348,7 @@ def measure(
         alpha=alpha_from_acceptance_length(length, alpha_gamma),
         alpha_gamma=alpha_gamma,
         acceptance_length=length,
+        slowest_length=slowest_row_length(emitted, live),
     )
 
 
@@ -337,9 +361,11 @@ class TreeMeasurement:
     t_e: float  # ms, one draft expansion (a forward over the ``width`` best leaves)
     t_v: float  # ms, one target verify of bs + 1 tree-masked tokens
     acceptance_length: float  # tokens per verification (accepted path + bonus), measured
+    slowest_length: float | None = None  # the row that accepted least: the batch waits for it
 
     def relative_time(self, t_t: float) -> float:
-        return tree_relative_time(self.depth, self.t_e, t_t, self.t_v, self.acceptance_length)
+        length = self.acceptance_length if self.slowest_length is None else self.slowest_length
+        return tree_relative_time(self.depth, self.t_e, t_t, self.t_v, length)
 
 
 def choose_shape(
@@ -448,7 +474,14 @@ def measure_tree(
     )
     length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
     return TreeMeasurement(
-        shape.depth, shape.width, shape.branch, shape.bs, t_e, t_v, acceptance_length=length
+        shape.depth,
+        shape.width,
+        shape.branch,
+        shape.bs,
+        t_e,
+        t_v,
+        acceptance_length=length,
+        slowest_length=slowest_row_length(emitted, live),
     )
 
 

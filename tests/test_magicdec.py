@@ -166,6 +166,25 @@ def test_cost_model_hand_numbers():
     assert cost_model.alpha_from_acceptance_length(1.0, 3) == 0.0
 
 
+def test_cost_model_chooses_for_the_slowest_row():
+    # T_T = 10, T_D = 2, T_V(g) = 10 + g; alpha measured at gamma 2.
+    # Mean row: 2.71 tokens a verify = 1 + a + a^2 -> alpha 0.9; gamma 4 is best:
+    #   g=4: (0.8 + 1.4) / Omega(4, 0.9) = 2.2 / 4.0951 -> 1.8614x
+    # Slowest row: 1.6 tokens -> a = (sqrt(3.4) - 1) / 2 = 0.42195; gamma 1 is best:
+    #   g=1: 1.3 / 1.42195 -> 1.0938x; g=2: 1.6 / 1.6 -> 1.0x; g=4: 2.2 / 1.70688 -> 0.7758x
+    t_v = {1: 11.0, 2: 12.0, 4: 14.0}
+    mean = cost_model.Measurement(128, 2048, 10.0, 2.0, t_v, 0.9, 2, 2.71)
+    assert mean.batch_alpha == 0.9
+    assert mean.choose() == (4, pytest.approx(4.0951 / 2.2, rel=1e-4))
+    m = cost_model.Measurement(128, 2048, 10.0, 2.0, t_v, 0.9, 2, 2.71, slowest_length=1.6)
+    assert m.batch_alpha == pytest.approx((3.4**0.5 - 1) / 2, abs=1e-9)
+    assert m.choose() == (1, pytest.approx(1.42195 / 1.3, rel=1e-4))
+    assert cost_model.slowest_row_length([6, 12, 0], [3, 4, 0]) == 2.0  # idle rows ignored
+    # the tree term also waits for its slowest row: (3 * 1 / 10 + 12 / 10) / L
+    tree = cost_model.TreeMeasurement(3, 4, 2, 8, 1.0, 12.0, 4.0, slowest_length=2.5)
+    assert tree.relative_time(10.0) == pytest.approx(1.5 / 2.5)
+
+
 def test_analytic_times_hand_numbers():
     cfg = ModelConfig(
         vocab_size=1000,

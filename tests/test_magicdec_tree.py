@@ -107,8 +107,9 @@ def test_magicdec_auto_shape(monkeypatch):
     tree_speedup = cm["tree"]["predicted_speedup"]
     assert cm["tree"]["t_e_ms"] > 0 and cm["tree"]["t_v_ms"] > 0
     assert 1.0 <= cm["tree"]["acceptance_length"] <= 2.0
-    chain_gamma, chain_speedup = cost_model.choose_gamma(
-        cm["t_d_ms"], cm["t_t_ms"], cm["t_v_ms"], cm["alpha"]
+    assert cm["alpha_slowest_row"] <= cm["alpha"]
+    chain_gamma, chain_speedup = cost_model.choose_gamma(  # the batch waits for its slowest row
+        cm["t_d_ms"], cm["t_t_ms"], cm["t_v_ms"], cm["alpha_slowest_row"]
     )
     if tree_speedup > chain_speedup:
         assert r.stats["shape"] == "tree" and r.stats["gamma"] is None

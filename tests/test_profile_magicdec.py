@@ -23,12 +23,14 @@ def test_profile_magicdec_prints_the_cost_model_table(tree, tmp_path, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    head = ["batch", "prefix", "T_T", "ms", "T_D", "ms", "alpha", "gamma", "T_V", "ms", "speedup"]
-    assert lines[0].split() == head
+    head = ["batch", "prefix", "T_T", "ms", "T_D", "ms", "alpha", "slow", "gamma", "T_V", "ms"]
+    assert lines[0].split() == [*head, "speedup"]
+    assert lines[1].startswith("(alpha: the mean row's") and lines[2].startswith(" predictions")
+    lines = [lines[0], *lines[3:]]
     first = lines[1].split()
-    assert first[:2] == ["3", "40"] and first[5] == "1"
-    t_t, t_d, alpha = (float(x) for x in first[2:5])
-    assert t_t > 0 and t_d > 0 and 0.0 <= alpha <= 1.0
+    assert first[:2] == ["3", "40"] and first[6] == "1"
+    t_t, t_d, alpha, slow = (float(x) for x in first[2:6])
+    assert t_t > 0 and t_d > 0 and 0.0 <= slow <= alpha <= 1.0
     assert lines[2].split()[0] == "3"  # the second gamma's row
     assert lines[-1].split()[0] == "chosen:"
     candidates = [float(x) for x in re.findall(r"([\d.]+)x", "\n".join(lines[1:-1]))]

@@ -158,6 +158,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 "t_d_ms": m.t_d,
                 "t_v_ms": dict(m.t_v),
                 "alpha": m.alpha,
+                "alpha_slowest_row": m.batch_alpha,
                 "prefix_bucket": m.prefix,
             },
         }
@@ -261,9 +262,10 @@ def profile(
                 "t_t_ms": m.t_t,
                 "t_d_ms": m.t_d,
                 "alpha": m.alpha,
+                "alpha_slowest_row": m.batch_alpha,
                 "t_v_ms": dict(m.t_v),
                 "predicted_speedup": {
-                    g: 1.0 / cost_model.relative_time(g, m.alpha, m.t_d, m.t_t, m.t_v[g])
+                    g: 1.0 / cost_model.relative_time(g, m.batch_alpha, m.t_d, m.t_t, m.t_v[g])
                     for g in gammas
                 },
                 "shape": shape,
