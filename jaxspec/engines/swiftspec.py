@@ -1,8 +1,10 @@
 """SwiftSpec: asynchronous, disaggregated tree speculation over two device meshes.
 
 The target lives on mesh A (devices [0, x), tensor-parallel over x), the draft on mesh B
-([x, x + y), tensor-parallel over y). One host thread drives both through JAX's asynchronous
-dispatch; nothing in the loop waits on a device except the handoff:
+([x, x + y), tensor-parallel over y). Two host threads drive them through JAX's asynchronous
+dispatch, one per worker (``_Loop``: a dispatch that consumes a cross-device copy blocks its
+thread until the copy's source is ready, so one thread would make each mesh wait on the other's
+dispatches). Each thread waits only for the other worker's handoff:
 
     snapshot_0 = best bs nodes of the draft's tree                    (mesh B)
     loop:
