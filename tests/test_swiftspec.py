@@ -136,7 +136,10 @@ def test_reroot_invariants_hold_after_every_verification():
         **SHAPE,
     )
     assert r.tokens == generate(target, ps, max_new_tokens=NEW).tokens
-    assert len(checked) == r.stats["verify_steps"] and sum(checked) > 0 and lens
+    # every verification was checked; the draft thread may also re-root on the last verdict
+    # (the one that only re-ran finished rows) before it learns that the run is over
+    steps = r.stats["verify_steps"]
+    assert steps <= len(checked) <= steps + 1 and sum(checked) > 0 and lens
 
 
 @functools.partial(jax.jit, static_argnums=0)
