@@ -1,0 +1,110 @@
+"""Where a SmolLM2-shape decode step's time goes on the GPU (issue 10): steps/s of a device loop
+and, from a profiler trace of the same loop, GPU kernel count, busy time and gaps per step.
+
+    python benchmarks/gpu/probe_small.py --label NAME [--context 1024] [--out DIR]
+Run it under different XLA_FLAGS to compare compiler options (one process per setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_decode_gpu import kernel_count, make_loop
+from benchmarks.shapes import SMOLLM2_135M
+from jaxspec.kv_cache import KVCache, init_cache
+from jaxspec.model import new_model
+
+
+def gpu_events(trace_dir: str):
+    from jax.profiler import ProfileData
+
+    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+    pd = ProfileData.from_file(path)
+    events = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for ev in line.events:
+                events.append((ev.start_ns, ev.duration_ns, ev.name))
+    return sorted(events)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", default="default")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    cfg = SMOLLM2_135M
+    model = new_model(cfg, seed=0, dtype=jnp.bfloat16)
+    cache = init_cache(cfg, 1, args.context + args.steps + 8, jnp.bfloat16)
+    cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((1,), args.context, jnp.int32))
+    tok = jnp.zeros((1, 1), jnp.int32)
+    loop = make_loop(model.graphdef, args.steps, 1)
+    exe = loop.lower(model.params, cache, tok).compile()
+    counts = kernel_count(exe.as_text())
+    state = {"cache": cache}
+
+    def once():
+        c, out = exe(model.params, state["cache"], tok)
+        state["cache"] = KVCache(k=c.k, v=c.v, length=c.length - args.steps)
+        out.block_until_ready()
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    ms = sorted(times)[3] / args.steps * 1e3
+    row = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_per_step": ms}
+    row.update({k: v for k, v in counts.items() if k in ("fusion_ops", "custom_calls")})
+    tdir = f"/tmp/trace_{args.label}"
+    try:
+        with jax.profiler.trace(tdir):
+            once()
+        ev = gpu_events(tdir)
+        if ev:
+            span = (ev[-1][0] + ev[-1][1] - ev[0][0]) / 1e6
+            busy = sum(d for _, d, _ in ev) / 1e6
+            by = collections.Counter()
+            n = collections.Counter()
+            for _, d, name in ev:
+                key = name.split(".")[0][:40]
+                by[key] += d
+                n[key] += 1
+            row.update(
+                kernels_per_step=len(ev) / args.steps,
+                gpu_span_ms_per_step=span / args.steps,
+                gpu_busy_ms_per_step=busy / args.steps,
+                mean_kernel_us=busy * 1e3 / len(ev),
+                top=[
+                    (k, n[k] // args.steps, round(v / 1e3 / args.steps, 1))
+                    for k, v in by.most_common(14)
+                ],
+            )
+    except Exception as e:  # the probe still reports the timing
+        row["trace_error"] = repr(e)[:300]
+    print(json.dumps(row, indent=1), flush=True)
+    with open(f"{args.out}/probe_{args.label}.json", "w") as f:
+        json.dump(row, f, indent=1)
+    if os.environ.get("DUMP_HLO"):
+        with open(f"{args.out}/hlo_{args.label}.txt", "w") as f:
+            f.write(exe.as_text())
+
+
+if __name__ == "__main__":
+    main()
