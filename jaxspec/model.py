@@ -11,9 +11,11 @@ both that engines call inside their own jit (NNX traversal happens only while tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
+from pallas_kernels import fused_linear
 from pallas_kernels.dispatch import attention
 
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
@@ -33,6 +36,38 @@ ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
 # 1.40 (SmolLM2) (benchmarks/results/gpu_decode.json). Results per row are unchanged.
 _ROWS_ENV = os.environ.get("JAXSPEC_MIN_GEMM_ROWS")
 MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
+
+
+# The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
+# gate/up + SiLU*mul, projection + residual) for steps of at most fused_linear.MAX_ROWS rows.
+# 'auto': on GPU, unless the weights are sharded over several devices (tensor parallel: the
+# kernels see whole weights, so the partitioner would gather them); 'off'; 'pallas'; 'interpret'
+# (the Pallas interpreter: CPU tests).
+FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "auto")
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def fused_linear_off():
+    """Trace without the fused projection kernels (in this thread): for sharded weights."""
+    before = getattr(_LOCAL, "off", False)
+    _LOCAL.off = True
+    try:
+        yield
+    finally:
+        _LOCAL.off = before
+
+
+def fused_mode(rows, *arrays) -> str | None:
+    """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
+    impl = FUSED_IMPL
+    if impl == "off" or getattr(_LOCAL, "off", False):
+        return None
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "off"
+    if impl == "off" or fused_linear.unsupported_reason(rows, *arrays) is not None:
+        return None
+    return impl
 
 
 def min_gemm_rows() -> int:
@@ -136,12 +171,55 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block):
+        attn, mlp = self.self_attn, self.mlp
+        rows = x.reshape(-1, x.shape[-1])
+        weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
+        weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
+        mode = None if attn.cfg.qkv_bias else fused_mode(rows, *weights)
+        if mode is not None:
+            return self.fused(x, cos, sin, k_cache, v_cache, length, block, mode == "interpret")
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x), cos, sin, k_cache, v_cache, length, block
         )
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
+
+    def fused(self, x, cos, sin, k_cache, v_cache, length, block, interpret: bool):
+        """The same layer in three fused projection kernels plus the cache writes and attention
+        (few rows: decode and verify steps)."""
+        b, t, d = x.shape
+        attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.cfg
+        rows = x.reshape(b * t, d)
+        q, k, v = fused_linear.qkv_rope(
+            rows,
+            self.input_layernorm.weight[...],
+            attn.q_proj.kernel[...],
+            attn.k_proj.kernel[...],
+            attn.v_proj.kernel[...],
+            cos.reshape(b * t, -1),
+            sin.reshape(b * t, -1),
+            eps=self.input_layernorm.eps,
+            head_dim=cfg.head_dim,
+            interpret=interpret,
+        )
+        k_cache = write(k_cache, k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), block.slots)
+        v_cache = write(v_cache, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), block.slots)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
+        rows = fused_linear.matmul_add(
+            out.reshape(b * t, -1), attn.o_proj.kernel[...], rows, interpret=interpret
+        )
+        h = fused_linear.gate_up(
+            rows,
+            self.post_attention_layernorm.weight[...],
+            mlp.gate_proj.kernel[...],
+            mlp.up_proj.kernel[...],
+            eps=self.post_attention_layernorm.eps,
+            interpret=interpret,
+        )
+        rows = fused_linear.matmul_add(h, mlp.down_proj.kernel[...], rows, interpret=interpret)
+        return rows.reshape(b, t, d), k_cache, v_cache
 
 
 class Transformer(nnx.Module):

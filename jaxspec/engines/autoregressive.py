@@ -19,6 +19,9 @@ from jaxspec.model import apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, sample
 
+# decode steps per check of the stop condition (see ``decode``)
+CHUNK = 8
+
 
 @pytree_dataclass
 class State:
@@ -90,11 +93,21 @@ def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling
         eos=eos,
     )
     s.done = s.done | (s.count >= max_new)
-    s = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
-        lambda s: step(graphdef, params, s, sampling=sampling, eos=eos),
-        s,
-    )
+
+    def chunk(s):
+        # CHUNK steps per check of the stop condition: a data-dependent while loop costs a
+        # device-to-host copy and a wait per iteration on GPU. Steps after every row is done
+        # change nothing (emitting is masked, cache writes past the capacity are dropped)
+        # and are not counted.
+        def one(_, s):
+            active = ~jnp.all(s.done)
+            s = step(graphdef, params, s, sampling=sampling, eos=eos)
+            s.steps = s.steps - 1 + active
+            return s
+
+        return jax.lax.fori_loop(0, CHUNK, one, s)
+
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), chunk, s)
     return s.out, s.count, s.steps
 
 

@@ -3,6 +3,7 @@ compilation caching and the result type."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -14,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.kv_cache import KVCache, causal_block
-from jaxspec.model import apply
+from jaxspec.model import apply, fused_linear_off
 
 PREFILL_CHUNK = 256
 
@@ -116,7 +117,11 @@ def compiled(fn, *args, **static):
     with _COMPILE_LOCK:
         if key in _COMPILED:
             return _COMPILED[key], 0.0
-        with Timer() as t:
+        sharded = any(
+            len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves
+        )
+        # sharded weights (tensor parallel): the fused projection kernels would see whole weights
+        with fused_linear_off() if sharded else contextlib.nullcontext(), Timer() as t:
             exe = fn.lower(*args, **static).compile()
         if len(_COMPILED) > 64:
             _COMPILED.clear()

@@ -1,0 +1,291 @@
+"""Fused small-row projections for decoding (issue 10): one kernel for RMSNorm + Q/K/V + RoPE, one
+for RMSNorm + gate/up + SiLU*mul, one for a projection + residual add.
+
+Why: at batch 1 a small model is bound by the number and fixed cost of its kernels, not by bytes
+(SmolLM2-135M's 270 MB of weights take ~0.06 ms to read, its XLA decode step ~1.06 ms for 491
+kernels on an H200, ~2.3 us each; benchmarks/notes/small_model.md). XLA turns one decoder layer
+into ~16 kernels: the norm, Q, K, V, RoPE, the row padding GEMMs want, gate, up, SiLU*mul, down
+and the residual adds each launch. These kernels do a layer's projections in three launches
+(attention and the cache writes stay as they are).
+
+Contract: rows ``x [M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as
+the model stores them (``y = x @ w``), results in ``x.dtype``. Rounding happens where the plain
+path (``jaxspec.model``) rounds: the normalised row is cast to the dtype before the norm weight
+scales it, each projection is rounded before RoPE / SiLU / the residual add; sums run in float32.
+Only the summation order differs from XLA's GEMM, so float32 results agree to ~1e-6.
+
+Layout (Pallas, Triton lowering): a 1-D grid over column tiles of ``bn`` columns; program ``j``
+reads its ``[K, bn]`` weight tile in power-of-two row chunks (Triton wants power-of-two shapes;
+K = 576 = 512 + 64), multiplies each of the M rows into it on the CUDA cores (a GEMV: at M <= 16
+the tensor cores buy nothing and would need rows padded to 16), and writes ``[M, bn]``. RoPE
+needs both halves of a head, so the Q/K/V kernel's program reads the column tile at ``c`` and at
+``c + head_dim / 2`` and rotates them together. Every weight byte is read once per call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float
+
+MAX_ROWS = 16  # more rows: XLA's GEMMs (tensor cores) win, the dispatcher falls back
+MAX_CHUNK = 256  # rows of a weight tile held at once (register pressure)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _chunks(k: int) -> list[tuple[int, int]]:
+    """``[0, k)`` cut into power-of-two pieces of at most MAX_CHUNK: (offset, size)."""
+    out, off = [], 0
+    while off < k:
+        size = min(MAX_CHUNK, 1 << ((k - off).bit_length() - 1))
+        out.append((off, size))
+        off += size
+    return out
+
+
+def _tile(n: int, want: int) -> int:
+    """Column tile: the largest power of two <= ``want`` that divides ``n``."""
+    bn = want
+    while bn > 1 and n % bn:
+        bn //= 2
+    return bn
+
+
+def unsupported_reason(x, *weights) -> str | None:
+    """Why these kernels cannot take these arrays (``None`` when they can)."""
+    if x.ndim != 2:
+        return f"rows must be [M, K], got {x.shape}"
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        return f"{m} rows not in [1, {MAX_ROWS}]"
+    dts = {jnp.dtype(a.dtype) for a in (x, *weights)}
+    if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
+        return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for all)"
+    for w in weights:
+        if w.ndim != 2 or w.shape[0] != k:
+            return f"weight {w.shape} does not take rows of width {k}"
+        if w.shape[1] % 8:
+            return f"weight width {w.shape[1]} not a multiple of 8"
+    return None
+
+
+# ---- the pure-jnp references (the plain path's arithmetic) ----------------------------------
+
+
+def rms(x, g, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return g * xf.astype(x.dtype)
+
+
+def _mm(x, w):
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def _rope(x, cos, sin, hd):
+    m = x.shape[0]
+    xf = x.reshape(m, -1, hd).astype(jnp.float32)
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.reshape(m, -1).astype(x.dtype)
+
+
+def qkv_rope_reference(x, g, wq, wk, wv, cos, sin, *, eps: float, head_dim: int):
+    """``rope(n @ wq), rope(n @ wk), n @ wv`` with ``n = rmsnorm(x) * g``; cos/sin ``[M, hd/2]``."""
+    n = rms(x, g, eps)
+    return _rope(_mm(n, wq), cos, sin, head_dim), _rope(_mm(n, wk), cos, sin, head_dim), _mm(n, wv)
+
+
+def gate_up_reference(x, g, wg, wu, *, eps: float):
+    """``silu(n @ wg) * (n @ wu)`` with ``n = rmsnorm(x) * g``."""
+    n = rms(x, g, eps)
+    return jax.nn.silu(_mm(n, wg)) * _mm(n, wu)
+
+
+def matmul_add_reference(x, w, r):
+    """``r + x @ w``."""
+    return r + _mm(x, w)
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+
+
+def _rows(x_ref, g_ref, m: int, k: int, eps: float | None):
+    """Per row, per chunk: the (normalised and scaled, when ``eps`` is given) inputs in float32,
+    rounded to the input dtype where the plain path rounds."""
+    dt = x_ref.dtype
+    chunks = _chunks(k)
+    rows = []
+    for r in range(m):
+        parts = [x_ref[r, pl.ds(off, size)].astype(jnp.float32) for off, size in chunks]
+        if eps is not None:
+            ss = sum(jnp.sum(p * p) for p in parts)
+            inv = jax.lax.rsqrt(ss / k + eps)
+            parts = [
+                (
+                    g_ref[pl.ds(off, size)].astype(jnp.float32)
+                    * (p * inv).astype(dt).astype(jnp.float32)
+                )
+                .astype(dt)
+                .astype(jnp.float32)
+                for p, (off, size) in zip(parts, chunks, strict=True)
+            ]
+        rows.append(parts)
+    return rows
+
+
+def _gemv(rows, w_ref, col, bn: int, k: int):
+    """Per row: ``row @ w[:, col:col+bn]`` in float32 (the weight tile is read once)."""
+    acc = [jnp.zeros((bn,), jnp.float32) for _ in rows]
+    for i, (off, size) in enumerate(_chunks(k)):
+        w = w_ref[pl.ds(off, size), pl.ds(col, bn)].astype(jnp.float32)
+        for r, parts in enumerate(rows):
+            acc[r] = acc[r] + jnp.sum(parts[i][:, None] * w, axis=0)
+    return acc
+
+
+def _round(v, dt):
+    return v.astype(dt).astype(jnp.float32)
+
+
+def _qkv_kernel(
+    x_ref, g_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, m, k, eps, hd,
+    bn, nq, nk
+):  # fmt: skip
+    half = hd // 2
+    per_head = half // bn
+    pid = pl.program_id(0)
+    head, sub = pid // per_head, pid % per_head
+    dt = x_ref.dtype
+    rows = _rows(x_ref, g_ref, m, k, eps)
+
+    def rotated(w_ref, out_ref, h):
+        c1 = h * hd + sub * bn
+        a = _gemv(rows, w_ref, c1, bn, k)
+        b = _gemv(rows, w_ref, c1 + half, bn, k)
+        for r in range(m):
+            cs = cos_ref[r, pl.ds(sub * bn, bn)]
+            sn = sin_ref[r, pl.ds(sub * bn, bn)]
+            ar, br = _round(a[r], dt), _round(b[r], dt)
+            out_ref[r, pl.ds(c1, bn)] = (ar * cs - br * sn).astype(dt)
+            out_ref[r, pl.ds(c1 + half, bn)] = (br * cs + ar * sn).astype(dt)
+
+    def plain(w_ref, out_ref, h):
+        c1 = h * hd + sub * bn
+        a = _gemv(rows, w_ref, c1, bn, k)
+        b = _gemv(rows, w_ref, c1 + half, bn, k)
+        for r in range(m):
+            out_ref[r, pl.ds(c1, bn)] = a[r].astype(dt)
+            out_ref[r, pl.ds(c1 + half, bn)] = b[r].astype(dt)
+
+    @pl.when(head < nq)
+    def _():
+        rotated(wq_ref, q_ref, head)
+
+    @pl.when((head >= nq) & (head < nq + nk))
+    def _():
+        rotated(wk_ref, k_ref, head - nq)
+
+    @pl.when(head >= nq + nk)
+    def _():
+        plain(wv_ref, v_ref, head - nq - nk)
+
+
+def _gate_up_kernel(x_ref, g_ref, wg_ref, wu_ref, o_ref, *, m, k, eps, bn):
+    col = pl.program_id(0) * bn
+    dt = x_ref.dtype
+    rows = _rows(x_ref, g_ref, m, k, eps)
+    gate = _gemv(rows, wg_ref, col, bn, k)
+    up = _gemv(rows, wu_ref, col, bn, k)
+    for r in range(m):
+        gr = _round(gate[r], dt)
+        # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision allowed)
+        act = gr * jax.nn.sigmoid(gr)
+        o_ref[r, pl.ds(col, bn)] = (act * _round(up[r], dt)).astype(dt)
+
+
+def _matmul_add_kernel(x_ref, w_ref, r_ref, o_ref, *, m, k, bn):
+    col = pl.program_id(0) * bn
+    dt = x_ref.dtype
+    rows = _rows(x_ref, None, m, k, None)
+    acc = _gemv(rows, w_ref, col, bn, k)
+    for r in range(m):
+        res = r_ref[r, pl.ds(col, bn)].astype(jnp.float32)
+        o_ref[r, pl.ds(col, bn)] = (res + _round(acc[r], dt)).astype(dt)
+
+
+def _call(kernel, grid, out_shape, args, interpret, num_warps=4):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "head_dim", "interpret", "bn"))
+def qkv_rope(
+    x: Float[Array, "m k"],
+    g: Float[Array, " k"],
+    wq: Float[Array, "k nq"],
+    wk: Float[Array, "k nk"],
+    wv: Float[Array, "k nk"],
+    cos: Float[Array, "m half"],
+    sin: Float[Array, "m half"],
+    *,
+    eps: float,
+    head_dim: int,
+    interpret: bool = False,
+    bn: int = 16,
+):
+    """The kernel version of :func:`qkv_rope_reference`: ``(q, k, v)`` rows in ``x.dtype``."""
+    m, k = x.shape
+    bn = _tile(head_dim // 2, bn)
+    nq, nk = wq.shape[1] // head_dim, wk.shape[1] // head_dim
+    grid = ((nq + 2 * nk) * (head_dim // 2 // bn),)
+    kern = functools.partial(_qkv_kernel, m=m, k=k, eps=eps, hd=head_dim, bn=bn, nq=nq, nk=nk)
+    shapes = [jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype) for w in (wq, wk, wv)]
+    args = (x, g, wq, wk, wv, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    return tuple(_call(kern, grid, shapes, args, interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn"))
+def gate_up(
+    x: Float[Array, "m k"],
+    g: Float[Array, " k"],
+    wg: Float[Array, "k f"],
+    wu: Float[Array, "k f"],
+    *,
+    eps: float,
+    interpret: bool = False,
+    bn: int = 16,
+) -> Float[Array, "m f"]:
+    """The kernel version of :func:`gate_up_reference`."""
+    m, k = x.shape
+    bn = _tile(wg.shape[1], bn)
+    kern = functools.partial(_gate_up_kernel, m=m, k=k, eps=eps, bn=bn)
+    shape = jax.ShapeDtypeStruct((m, wg.shape[1]), x.dtype)
+    return _call(kern, (wg.shape[1] // bn,), shape, (x, g, wg, wu), interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "bn"))
+def matmul_add(
+    x: Float[Array, "m k"],
+    w: Float[Array, "k n"],
+    r: Float[Array, "m n"],
+    *,
+    interpret: bool = False,
+    bn: int = 16,
+) -> Float[Array, "m n"]:
+    """The kernel version of :func:`matmul_add_reference`."""
+    m, k = x.shape
+    bn = _tile(w.shape[1], bn)
+    kern = functools.partial(_matmul_add_kernel, m=m, k=k, bn=bn)
+    shape = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
+    return _call(kern, (w.shape[1] // bn,), shape, (x, w, r), interpret)
