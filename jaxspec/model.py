@@ -58,14 +58,17 @@ def fused_linear_off():
         _LOCAL.off = before
 
 
-def fused_mode(rows, *arrays) -> str | None:
+def fused_mode(rows, *arrays, head_dim: int | None = None) -> str | None:
     """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
     impl = FUSED_IMPL
     if impl == "off" or getattr(_LOCAL, "off", False):
         return None
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "off"
-    if impl == "off" or fused_linear.unsupported_reason(rows, *arrays) is not None:
+    if (
+        impl == "off"
+        or fused_linear.unsupported_reason(rows, *arrays, head_dim=head_dim) is not None
+    ):
         return None
     return impl
 
@@ -175,7 +178,7 @@ class DecoderLayer(nnx.Module):
         rows = x.reshape(-1, x.shape[-1])
         weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
         weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
-        mode = None if attn.cfg.qkv_bias else fused_mode(rows, *weights)
+        mode = None if attn.cfg.qkv_bias else fused_mode(rows, *weights, head_dim=attn.cfg.head_dim)
         if mode is not None:
             return self.fused(x, cos, sin, k_cache, v_cache, length, block, mode == "interpret")
         h, k_cache, v_cache = self.self_attn(

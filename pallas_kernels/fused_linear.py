@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-MAX_ROWS = 16  # more rows: XLA's GEMMs (tensor cores) win, the dispatcher falls back
+MAX_ROWS = 16  # more rows: XLA's GEMMs win, the dispatcher falls back
+ROWS = 16  # rows of the tensor-core tile (Triton's smallest dot); rows past M are zeros
 MAX_CHUNK = 256  # rows of a weight tile held at once (register pressure)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -48,28 +49,34 @@ def _chunks(k: int) -> list[tuple[int, int]]:
 
 
 def _tile(n: int, want: int) -> int:
-    """Column tile: the largest power of two <= ``want`` that divides ``n``."""
+    """Column tile: the largest power of two <= ``want`` that divides ``n`` (>= 16 where
+    ``unsupported_reason`` passed)."""
     bn = want
     while bn > 1 and n % bn:
         bn //= 2
     return bn
 
 
-def unsupported_reason(x, *weights) -> str | None:
-    """Why these kernels cannot take these arrays (``None`` when they can)."""
+def unsupported_reason(x, *weights, head_dim: int | None = None) -> str | None:
+    """Why these kernels cannot take these arrays (``None`` when they can). Triton's dot wants
+    tiles of at least 16 x 16: K, the weight widths and half a head are multiples of 16."""
     if x.ndim != 2:
         return f"rows must be [M, K], got {x.shape}"
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows not in [1, {MAX_ROWS}]"
+    if k % 16:
+        return f"row width {k} not a multiple of 16"
+    if head_dim is not None and (head_dim // 2) % 16:
+        return f"head_dim {head_dim}: half a head is not a multiple of 16"
     dts = {jnp.dtype(a.dtype) for a in (x, *weights)}
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for all)"
     for w in weights:
         if w.ndim != 2 or w.shape[0] != k:
             return f"weight {w.shape} does not take rows of width {k}"
-        if w.shape[1] % 8:
-            return f"weight width {w.shape[1]} not a multiple of 8"
+        if w.shape[1] % 16:
+            return f"weight width {w.shape[1]} not a multiple of 16"
     return None
 
 
@@ -116,37 +123,42 @@ def matmul_add_reference(x, w, r):
 
 
 def _rows(x_ref, g_ref, m: int, k: int, eps: float | None):
-    """Per row, per chunk: the (normalised and scaled, when ``eps`` is given) inputs in float32,
-    rounded to the input dtype where the plain path rounds."""
+    """Per chunk of K: the M rows as a ``[ROWS, size]`` tile (rows past M are zero), normalised
+    and scaled when ``eps`` is given, rounded to the input dtype where the plain path rounds."""
     dt = x_ref.dtype
     chunks = _chunks(k)
-    rows = []
-    for r in range(m):
-        parts = [x_ref[r, pl.ds(off, size)].astype(jnp.float32) for off, size in chunks]
-        if eps is not None:
-            ss = sum(jnp.sum(p * p) for p in parts)
-            inv = jax.lax.rsqrt(ss / k + eps)
-            parts = [
-                (
-                    g_ref[pl.ds(off, size)].astype(jnp.float32)
-                    * (p * inv).astype(dt).astype(jnp.float32)
-                )
-                .astype(dt)
-                .astype(jnp.float32)
-                for p, (off, size) in zip(parts, chunks, strict=True)
-            ]
-        rows.append(parts)
-    return rows
+    tiles = []
+    for off, size in chunks:
+        row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, size), 0)
+        t = jnp.zeros((ROWS, size), jnp.float32)
+        for r in range(m):
+            t = jnp.where(row == r, x_ref[r, pl.ds(off, size)].astype(jnp.float32)[None, :], t)
+        tiles.append(t)
+    if eps is not None:
+        ss = sum(jnp.sum(t * t, axis=1) for t in tiles)
+        inv = jax.lax.rsqrt(ss / k + eps)[:, None]
+        tiles = [
+            _round(g_ref[pl.ds(off, size)].astype(jnp.float32)[None, :] * _round(t * inv, dt), dt)
+            for t, (off, size) in zip(tiles, chunks, strict=True)
+        ]
+    return [t.astype(dt) for t in tiles]
 
 
-def _gemv(rows, w_ref, col, bn: int, k: int):
-    """Per row: ``row @ w[:, col:col+bn]`` in float32 (the weight tile is read once)."""
-    acc = [jnp.zeros((bn,), jnp.float32) for _ in rows]
-    for i, (off, size) in enumerate(_chunks(k)):
-        w = w_ref[pl.ds(off, size), pl.ds(col, bn)].astype(jnp.float32)
-        for r, parts in enumerate(rows):
-            acc[r] = acc[r] + jnp.sum(parts[i][:, None] * w, axis=0)
-    return acc
+def _gemv(tiles, w_ref, col, bn: int, k: int, m: int):
+    """Per row: ``row @ w[:, col:col+bn]`` in float32, from one tensor-core product per chunk
+    (rows padded to ROWS inside the kernel; the weight tile is read once)."""
+    acc = jnp.zeros((ROWS, bn), jnp.float32)
+    for t, (off, size) in zip(tiles, _chunks(k), strict=True):
+        w = w_ref[pl.ds(off, size), pl.ds(col, bn)]
+        acc = acc + jax.lax.dot_general(
+            t,
+            w,
+            (((1,), (0,)), ((), ())),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+    row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bn), 0)
+    return [jnp.sum(jnp.where(row == r, acc, 0.0), axis=0) for r in range(m)]
 
 
 def _round(v, dt):
@@ -166,8 +178,8 @@ def _qkv_kernel(
 
     def rotated(w_ref, out_ref, h):
         c1 = h * hd + sub * bn
-        a = _gemv(rows, w_ref, c1, bn, k)
-        b = _gemv(rows, w_ref, c1 + half, bn, k)
+        a = _gemv(rows, w_ref, c1, bn, k, m)
+        b = _gemv(rows, w_ref, c1 + half, bn, k, m)
         for r in range(m):
             cs = cos_ref[r, pl.ds(sub * bn, bn)]
             sn = sin_ref[r, pl.ds(sub * bn, bn)]
@@ -177,8 +189,8 @@ def _qkv_kernel(
 
     def plain(w_ref, out_ref, h):
         c1 = h * hd + sub * bn
-        a = _gemv(rows, w_ref, c1, bn, k)
-        b = _gemv(rows, w_ref, c1 + half, bn, k)
+        a = _gemv(rows, w_ref, c1, bn, k, m)
+        b = _gemv(rows, w_ref, c1 + half, bn, k, m)
         for r in range(m):
             out_ref[r, pl.ds(c1, bn)] = a[r].astype(dt)
             out_ref[r, pl.ds(c1 + half, bn)] = b[r].astype(dt)
@@ -200,8 +212,8 @@ def _gate_up_kernel(x_ref, g_ref, wg_ref, wu_ref, o_ref, *, m, k, eps, bn):
     col = pl.program_id(0) * bn
     dt = x_ref.dtype
     rows = _rows(x_ref, g_ref, m, k, eps)
-    gate = _gemv(rows, wg_ref, col, bn, k)
-    up = _gemv(rows, wu_ref, col, bn, k)
+    gate = _gemv(rows, wg_ref, col, bn, k, m)
+    up = _gemv(rows, wu_ref, col, bn, k, m)
     for r in range(m):
         gr = _round(gate[r], dt)
         # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision allowed)
@@ -213,7 +225,7 @@ def _matmul_add_kernel(x_ref, w_ref, r_ref, o_ref, *, m, k, bn):
     col = pl.program_id(0) * bn
     dt = x_ref.dtype
     rows = _rows(x_ref, None, m, k, None)
-    acc = _gemv(rows, w_ref, col, bn, k)
+    acc = _gemv(rows, w_ref, col, bn, k, m)
     for r in range(m):
         res = r_ref[r, pl.ds(col, bn)].astype(jnp.float32)
         o_ref[r, pl.ds(col, bn)] = (res + _round(acc[r], dt)).astype(dt)

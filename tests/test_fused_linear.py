@@ -2,7 +2,7 @@
 references on fresh random inputs, and a model decoding through them against the plain path.
 
 On CPU the kernels run through the Pallas interpreter, whose outputs start as NaN: an element a
-kernel forgets to write shows up. Row counts and widths are odd on purpose (K = 72 = 64 + 8
+kernel forgets to write shows up. Row counts and widths are odd on purpose (K = 80 = 64 + 16
 exercises the power-of-two chunking, M = 3 / 5 / 16 the per-row loops)."""
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _close(got, want, dtype):
 
 
 CASES = [  # (rows, K, head_dim, q heads, kv heads, MLP width)
-    (1, 72, 16, 3, 1, 40),
-    (3, 96, 8, 4, 2, 24),
-    (5, 64, 32, 2, 2, 48),
-    (16, 40, 16, 6, 3, 56),
+    (1, 80, 32, 3, 1, 48),
+    (3, 96, 32, 4, 2, 32),
+    (5, 64, 64, 2, 2, 48),
+    (16, 48, 32, 6, 3, 64),
 ]
 
 
@@ -73,7 +73,7 @@ def test_rope_is_applied_to_q_and_k_only():
     """A negative control for the RoPE pairing: at position 0 RoPE is the identity, elsewhere q and
     k change and v never does."""
     rng = np.random.default_rng(7)
-    m, k, hd = 2, 32, 8
+    m, k, hd = 2, 32, 32
     x, g = _arr(rng, (m, k), jnp.float32), _arr(rng, (k,), jnp.float32)
     wq, wk, wv = (_arr(rng, (k, 2 * hd), jnp.float32) for _ in range(3))
     zero = jnp.zeros((m, hd // 2), jnp.float32)
@@ -91,17 +91,20 @@ def test_rope_is_applied_to_q_and_k_only():
 
 def test_unsupported_shapes():
     x = jnp.zeros((fl.MAX_ROWS + 1, 16))
-    assert "rows" in fl.unsupported_reason(x, jnp.zeros((16, 8)))
+    assert "rows" in fl.unsupported_reason(x, jnp.zeros((16, 16)))
     x = jnp.zeros((2, 16))
-    assert "dtypes" in fl.unsupported_reason(x, jnp.zeros((16, 8), jnp.bfloat16))
-    assert "width" in fl.unsupported_reason(x, jnp.zeros((8, 8)))
-    assert fl.unsupported_reason(x, jnp.zeros((16, 8))) is None
+    assert "dtypes" in fl.unsupported_reason(x, jnp.zeros((16, 16), jnp.bfloat16))
+    assert "does not take" in fl.unsupported_reason(x, jnp.zeros((8, 16)))
+    assert "width 24" in fl.unsupported_reason(x, jnp.zeros((16, 24)))
+    assert "row width" in fl.unsupported_reason(jnp.zeros((2, 24)), jnp.zeros((24, 16)))
+    assert "head_dim" in fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=16)
+    assert fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=64) is None
     assert fl._chunks(576) == [(0, 256), (256, 256), (512, 64)]
-    assert fl._chunks(72) == [(0, 64), (64, 8)]
+    assert fl._chunks(80) == [(0, 64), (64, 16)]
 
 
 def test_dispatch(monkeypatch):
-    rows, w = jnp.zeros((1, 16)), jnp.zeros((16, 8))
+    rows, w = jnp.zeros((1, 16)), jnp.zeros((16, 16))
     monkeypatch.setattr(jm, "FUSED_IMPL", "auto")
     assert jm.fused_mode(rows, w) == ("pallas" if jax.default_backend() == "gpu" else None)
     monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
@@ -124,9 +127,13 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, monkeypatch):
     """Greedy tokens (float32) of autoregressive and chain decoding with every decode / verify
     step through the fused kernels equal the plain path's; prefill chunks (more rows) take the
     plain path either way."""
-    target = tiny.model(seed)
+    # shapes the kernels take (the default tiny model's head_dim 8 is too small for them)
+    target = tiny.model(seed, hidden_size=64, head_dim=32, intermediate_size=96)
     draft = tiny.perturbed(target, 0.3, seed)
     prompts = tiny.prompts(seed, lengths=(9, 3))
+    traced = []
+    real_gate_up = fl.gate_up
+    monkeypatch.setattr(fl, "gate_up", lambda *a, **k: traced.append(1) or real_gate_up(*a, **k))
     runs = {}
     for impl in ("off", "interpret"):
         monkeypatch.setattr(jm, "FUSED_IMPL", impl)
@@ -136,7 +143,9 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, monkeypatch):
             target, prompts, max_new_tokens=12, method="chain", draft=draft, gamma=3
         )
         runs[impl] = (ar.tokens, chain.tokens, chain.stats["acceptance_length"])
+        assert bool(traced) == (impl == "interpret")
     _clear()
+    assert traced, "the fused kernels were never traced: the test compared the plain path twice"
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]
