@@ -25,6 +25,7 @@ needs both halves of a head, so the Q/K/V kernel's program reads the column tile
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,10 @@ from jaxtyping import Array, Float
 
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the dispatcher falls back
 ROWS = 16  # rows of the tensor-core tile (Triton's smallest dot); rows past M are zeros
-MAX_CHUNK = 256  # rows of a weight tile held at once (register pressure)
+# Rows of a weight tile loaded at once. Each chunk is one round trip to HBM and a program's
+# chunks run one after another, so few large chunks: with 256 the SmolLM2 kernels took ~9 us each
+# on the H200 (K = 1536: six round trips).
+MAX_CHUNK = int(os.environ.get("JAXSPEC_FUSED_CHUNK", "1024"))
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -231,7 +235,10 @@ def _matmul_add_kernel(x_ref, w_ref, r_ref, o_ref, *, m, k, bn):
         o_ref[r, pl.ds(col, bn)] = (res + _round(acc[r], dt)).astype(dt)
 
 
-def _call(kernel, grid, out_shape, args, interpret, num_warps=4):
+NUM_WARPS = int(os.environ.get("JAXSPEC_FUSED_WARPS", "4"))
+
+
+def _call(kernel, grid, out_shape, args, interpret, num_warps=NUM_WARPS):
     return pl.pallas_call(
         kernel,
         grid=grid,

@@ -99,7 +99,8 @@ def test_unsupported_shapes():
     assert "row width" in fl.unsupported_reason(jnp.zeros((2, 24)), jnp.zeros((24, 16)))
     assert "head_dim" in fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=16)
     assert fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=64) is None
-    assert fl._chunks(576) == [(0, 256), (256, 256), (512, 64)]
+    assert fl._chunks(576) == [(0, 512), (512, 64)]
+    assert fl._chunks(2560) == [(0, 1024), (1024, 1024), (2048, 512)]
     assert fl._chunks(80) == [(0, 64), (64, 16)]
 
 
