@@ -40,10 +40,11 @@ MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
 
 # The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
 # gate/up + SiLU*mul, projection + residual) for steps of at most fused_linear.MAX_ROWS rows.
-# 'auto': on GPU, unless the weights are sharded over several devices (tensor parallel: the
-# kernels see whole weights, so the partitioner would gather them); 'off'; 'pallas'; 'interpret'
-# (the Pallas interpreter: CPU tests).
-FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "auto")
+# 'off' (the default: on the H200 they made the SmolLM2-shape step slower, 1.35 ms against 1.05;
+# benchmarks/notes/small_model.md); 'auto': on GPU, unless the weights are sharded over several
+# devices (tensor parallel: the kernels see whole weights, so the partitioner would gather them);
+# 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
+FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 _LOCAL = threading.local()
 
 

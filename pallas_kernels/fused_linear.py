@@ -20,6 +20,15 @@ K = 576 = 512 + 64), multiplies each of the M rows into it on the CUDA cores (a 
 the tensor cores buy nothing and would need rows padded to 16), and writes ``[M, bn]``. RoPE
 needs both halves of a head, so the Q/K/V kernel's program reads the column tile at ``c`` and at
 ``c + head_dim / 2`` and rotates them together. Every weight byte is read once per call.
+
+Measured on one H200 (``benchmarks/gpu/probe_small.py``, SmolLM2 shape, batch 1, context 1024):
+the step went from 491 kernels to 342, but from 1.05 ms to 1.35 ms. Each fused kernel took
+8.5-8.8 us (the o_proj one 4.7 us), whatever the chunk size (256 or 1024 rows), warp count (4
+or 8) or product (CUDA-core sums or tensor-core dots): the time follows the bytes each program
+reads, ~5 GB/s per program. A likely cause, not yet checked: the weight tiles are read through
+dynamic slices of whole arrays, so Triton cannot prove alignment and does not vectorise the
+loads; BlockSpec tiles and [N, K] weights are the next things to try. Until then the model
+leaves these kernels off (``JAXSPEC_FUSED_LINEAR``, see ``jaxspec.model``).
 """
 
 from __future__ import annotations
