@@ -19,8 +19,13 @@ from jaxspec.model import apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, sample
 
-# decode steps per check of the stop condition (see ``decode``)
-CHUNK = 8
+# decode steps per check of the stop condition on GPU (see ``decode``); 1 elsewhere, where the
+# check is cheap and the steps after the last row is done would be pure waste
+GPU_CHUNK = 8
+
+
+def chunk_steps() -> int:
+    return GPU_CHUNK if jax.default_backend() == "gpu" else 1
 
 
 @pytree_dataclass
@@ -95,7 +100,7 @@ def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling
     s.done = s.done | (s.count >= max_new)
 
     def chunk(s):
-        # CHUNK steps per check of the stop condition: a data-dependent while loop costs a
+        # chunk_steps() steps per check of the stop condition: a data-dependent while loop costs a
         # device-to-host copy and a wait per iteration on GPU. Steps after every row is done
         # change nothing (emitting is masked, cache writes past the capacity are dropped)
         # and are not counted.
@@ -105,7 +110,7 @@ def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling
             s.steps = s.steps - 1 + active
             return s
 
-        return jax.lax.fori_loop(0, CHUNK, one, s)
+        return jax.lax.fori_loop(0, chunk_steps(), one, s)
 
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), chunk, s)
     return s.out, s.count, s.steps
