@@ -23,7 +23,10 @@ Cost model per (batch, prefix, draft): T_T = the autoregressive loop's time per 
 draft forward and T_V(gamma) = one chain verify, each timed back to back in an on-device loop
 (``cost_model.looped``, ``timing.loop_ms``: a single host call of a SmolLM2 forward costs ~1 ms
 besides its device work, as much as the forward); alpha from the acceptance length of the run at
-the middle gamma; the chosen gamma minimises MagicDec's T_SD/T_AR among the measured gammas.
+the middle gamma, both the mean row's and the slowest row's (``batch_alpha``: the batch decodes
+until its slowest row is done); the chosen gamma minimises MagicDec's T_SD/T_AR at the slowest
+row's alpha among the measured gammas, as the engine's own cost model does
+(``predicted_by_gamma_mean_alpha`` keeps the mean-alpha model's figures beside it).
 Every measured gamma is also run (``--all-gammas``, default), so the table shows the measured
 speedup of each next to the prediction. Each row also says how many batch rows' tokens equal
 the autoregressive ones (bf16 on a GPU may diverge at near-ties; float32 on CPU must not).
@@ -452,6 +455,7 @@ class Bench:
             f"loop:{name}:{g}", self.target.params, dparams, s0
         )
         length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+        slowest = cost_model.slowest_row_length(emitted, live)
         same, first = agreement(ar["out"], ar["count"], np.asarray(o), np.asarray(n))
         return {
             "wall_s": sd_s,
@@ -459,6 +463,9 @@ class Bench:
             "speedup": ar["wall_s"] / sd_s,
             "acceptance_length": length,
             "alpha": cost_model.alpha_from_acceptance_length(length, g),
+            # the batch decodes at its slowest row's alpha (the engine's cost model uses it)
+            "slowest_length": slowest,
+            "batch_alpha": cost_model.alpha_from_acceptance_length(slowest, g),
             "steps": int(steps),
             "mean_row_steps": float(np.asarray(live).mean()),
             "rows_identical": same,
@@ -477,8 +484,8 @@ class Bench:
             g: self.spec_run(b, name, g, s0, ar)
             for g in (gammas if self.args.all_gammas else [mid])
         }
-        alpha, t_t = runs[mid]["alpha"], ar["t_t"]
-        gamma, predicted = cost_model.choose_gamma(t_d, t_t, t_v, alpha, gammas)
+        alpha, batch_alpha, t_t = runs[mid]["alpha"], runs[mid]["batch_alpha"], ar["t_t"]
+        gamma, predicted = cost_model.choose_gamma(t_d, t_t, t_v, batch_alpha, gammas)
         if gamma not in runs:
             runs[gamma] = self.spec_run(b, name, gamma, s0, ar)
         r = runs[gamma]
@@ -498,6 +505,7 @@ class Bench:
             "gamma": gamma if shape == "chain" else None,
             "chain_gamma": gamma,
             "alpha": alpha,
+            "batch_alpha": batch_alpha,
             "alpha_gamma": mid,
             "speedup": r["speedup"],
             "predicted_speedup": predicted if shape == "chain" else tree["predicted_speedup"],
@@ -513,6 +521,9 @@ class Bench:
             "t_d_over_t_t": t_d / t_t,
             "t_v_over_t_t": {g: v / t_t for g, v in t_v.items()},
             "predicted_by_gamma": {  # (gammas only: a bs-token T_V serves the tree)
+                g: 1.0 / cost_model.relative_time(g, batch_alpha, t_d, t_t, t_v[g]) for g in gammas
+            },
+            "predicted_by_gamma_mean_alpha": {  # the old model, for comparison
                 g: 1.0 / cost_model.relative_time(g, alpha, t_d, t_t, t_v[g]) for g in gammas
             },
             "measured_by_gamma": {g: v["speedup"] for g, v in runs.items()},

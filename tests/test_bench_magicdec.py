@@ -29,6 +29,10 @@ def test_bench_magicdec_tiny(tmp_path):
         for key in ("batch", "prefix", "draft", "gamma", "alpha", "speedup"):
             assert key in row
         assert row["chain_gamma"] in (1, 2) and 0.0 <= row["alpha"] <= 1.0 and row["speedup"] > 0
+        # gamma is chosen at the slowest row's alpha, which is at most the mean row's
+        assert 0.0 <= row["batch_alpha"] <= row["alpha"] + 1e-9
+        pred = row["predicted_by_gamma"]
+        assert str(row["chain_gamma"]) == max(pred, key=pred.get)  # JSON keys are strings
         assert row["rows_identical"] == row["rows"] == 2  # float32: exact
         assert set(row["all_gammas_rows_identical"].values()) == {2}
         assert row["prefix_tokens_mean"] == row["prefix"]
