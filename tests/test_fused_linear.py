@@ -151,3 +151,25 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, monkeypatch):
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]
+
+
+def test_sharded_compiles_trace_without_the_kernels(monkeypatch):
+    """``compiled()`` traces with the kernels off when any argument is sharded over several
+    devices (tensor parallel: a kernel would see whole weights, so they would be gathered)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxspec.engines import common
+
+    monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
+    seen = []
+
+    @jax.jit
+    def probe(w):
+        seen.append(jm.fused_mode(jnp.zeros((1, 16)), jnp.zeros((16, 16))))
+        return w * 2
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    sharded = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, PartitionSpec(None, "tp")))
+    common.compiled(probe, jnp.ones((16, 16)))
+    common.compiled(probe, sharded)
+    assert seen == ["interpret", None]
