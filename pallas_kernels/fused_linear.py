@@ -24,11 +24,13 @@ needs both halves of a head, so the Q/K/V kernel's program reads the column tile
 Measured on one H200 (``benchmarks/gpu/probe_small.py``, SmolLM2 shape, batch 1, context 1024):
 the step went from 491 kernels to 342, but from 1.05 ms to 1.35 ms. Each fused kernel took
 8.5-8.8 us (the o_proj one 4.7 us), whatever the chunk size (256 or 1024 rows), warp count (4
-or 8) or product (CUDA-core sums or tensor-core dots): the time follows the bytes each program
-reads, ~5 GB/s per program. A likely cause, not yet checked: the weight tiles are read through
-dynamic slices of whole arrays, so Triton cannot prove alignment and does not vectorise the
-loads; BlockSpec tiles and [N, K] weights are the next things to try. Until then the model
-leaves these kernels off (``JAXSPEC_FUSED_LINEAR``, see ``jaxspec.model``).
+or 8) or product (CUDA-core sums or tensor-core dots). The time follows the bytes each program
+reads: o_proj (576 weight rows a program) 4.7 us, down (1536) 8.8 us, so ~7 GB/s per program at
+the margin. That is what one SM gets with few loads in flight, and the grids are small (30-96
+programs on 132 SMs). The likely fix, not yet tried: more programs per weight, splitting K
+with float32 partial sums merged in the epilogue, as the decode-attention kernel splits its
+keys. Until then the model leaves these kernels off (``JAXSPEC_FUSED_LINEAR``, see
+``jaxspec.model``).
 """
 
 from __future__ import annotations
