@@ -41,7 +41,7 @@ MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
 # The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
 # gate/up + SiLU*mul, projection + residual) for steps of at most fused_linear.MAX_ROWS rows.
 # 'off' (the default: on the H200 they made the SmolLM2-shape step slower, 1.35 ms against 1.05;
-# benchmarks/notes/small_model.md); 'auto': on GPU, unless the weights are sharded over several
+# benchmarks/notes/small_step_probe.md); 'auto': on GPU, unless the weights are sharded over several
 # devices (tensor parallel: the kernels see whole weights, so the partitioner would gather them);
 # 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
 FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
@@ -62,8 +62,16 @@ def fused_linear_off():
 def fused_mode(rows, *arrays, head_dim: int | None = None) -> str | None:
     """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
     impl = FUSED_IMPL
+    if impl not in ("off", "auto", "pallas", "interpret"):
+        raise ValueError(
+            f"JAXSPEC_FUSED_LINEAR must be one of off, auto, pallas, interpret; got {impl!r}"
+        )
     if impl == "off" or getattr(_LOCAL, "off", False):
         return None
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "JAXSPEC_FUSED_LINEAR=pallas needs a GPU backend; use 'interpret' or 'auto' here"
+        )
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "off"
     if (
@@ -174,12 +182,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, length, block):
+    def fused_mode(self, x) -> str | None:
+        """The fused kernels' mode for this step (None: the plain path)."""
         attn, mlp = self.self_attn, self.mlp
-        rows = x.reshape(-1, x.shape[-1])
+        if FUSED_IMPL == "off" or attn.cfg.qkv_bias:
+            return None
         weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
         weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
-        mode = None if attn.cfg.qkv_bias else fused_mode(rows, *weights, head_dim=attn.cfg.head_dim)
+        rows = x.reshape(-1, x.shape[-1])
+        return fused_mode(rows, *weights, head_dim=attn.cfg.head_dim)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, length, block):
+        mode = self.fused_mode(x)
         if mode is not None:
             return self.fused(x, cos, sin, k_cache, v_cache, length, block, mode == "interpret")
         h, k_cache, v_cache = self.self_attn(

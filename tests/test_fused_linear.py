@@ -115,6 +115,13 @@ def test_dispatch(monkeypatch):
     with jm.fused_linear_off():
         assert jm.fused_mode(rows, w) is None
     assert jm.fused_mode(rows, w) == "interpret"
+    monkeypatch.setattr(jm, "FUSED_IMPL", "fast")
+    with pytest.raises(ValueError, match="JAXSPEC_FUSED_LINEAR must be one of"):
+        jm.fused_mode(rows, w)
+    if jax.default_backend() != "gpu":
+        monkeypatch.setattr(jm, "FUSED_IMPL", "pallas")
+        with pytest.raises(ValueError, match="needs a GPU"):
+            jm.fused_mode(rows, w)
 
 
 def _clear():
