@@ -16,8 +16,9 @@ Only the summation order differs from XLA's GEMM, so float32 results agree to ~1
 
 Layout (Pallas, Triton lowering): a 1-D grid over column tiles of ``bn`` columns; program ``j``
 reads its ``[K, bn]`` weight tile in power-of-two row chunks (Triton wants power-of-two shapes;
-K = 576 = 512 + 64), multiplies each of the M rows into it on the CUDA cores (a GEMV: at M <= 16
-the tensor cores buy nothing and would need rows padded to 16), and writes ``[M, bn]``. RoPE
+K = 576 = 512 + 64), multiplies the M rows, placed in a zero ``[16, chunk]`` tile inside the
+kernel (Triton's smallest dot; no padding kernel outside), into each chunk on the tensor cores,
+and writes ``[M, bn]``. RoPE
 needs both halves of a head, so the Q/K/V kernel's program reads the column tile at ``c`` and at
 ``c + head_dim / 2`` and rotates them together. Every weight byte is read once per call.
 
@@ -46,9 +47,8 @@ from jaxtyping import Array, Float
 
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the dispatcher falls back
 ROWS = 16  # rows of the tensor-core tile (Triton's smallest dot); rows past M are zeros
-# Rows of a weight tile loaded at once. Each chunk is one round trip to HBM and a program's
-# chunks run one after another, so few large chunks: with 256 the SmolLM2 kernels took ~9 us each
-# on the H200 (K = 1536: six round trips).
+# Rows of a weight tile loaded at once (register pressure; 256 and 1024 measured the same on the
+# H200, see the module docstring).
 MAX_CHUNK = int(os.environ.get("JAXSPEC_FUSED_CHUNK", "1024"))
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
