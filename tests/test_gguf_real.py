@@ -108,3 +108,38 @@ def test_tokenizer_built_without_torch_equals_transformers_gguf_tokenizer(real):
         chat, tokenize=False
     )
     assert len(model.tokenizer) == len(ref)
+
+
+def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch):
+    """The GPU fast paths (the Pallas attention kernel and the fused projection kernels), run
+    through the Pallas interpreter on the real model in float32, emit the plain path's greedy
+    tokens (issue 10's check on CPU; the GPU run repeats it in bf16)."""
+    import jax
+
+    import jaxspec
+    import jaxspec.model as jm
+    import pallas_kernels.dispatch as dispatch
+    from jaxspec.engines import common
+    from pallas_kernels import fused_linear
+
+    model, _, prompt = real
+    traced = []
+    for mod, name in ((dispatch, "decode_attention"), (fused_linear, "gate_up")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(
+            mod, name, lambda *a, _fn=fn, _n=name, **k: traced.append(_n) or _fn(*a, **k)
+        )
+
+    def decode(attention, fused):
+        monkeypatch.setattr(jm, "ATTENTION_IMPL", attention)
+        monkeypatch.setattr(jm, "FUSED_IMPL", fused)
+        common._COMPILED.clear()
+        jax.clear_caches()
+        return jaxspec.generate(model, [prompt], max_new_tokens=8).tokens[0]
+
+    plain = decode("reference", "off")
+    assert not traced
+    assert decode("pallas_interpret", "interpret") == plain
+    assert {"decode_attention", "gate_up"} <= set(traced), "a fast path was not traced"
+    common._COMPILED.clear()
+    jax.clear_caches()
