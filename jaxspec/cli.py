@@ -235,7 +235,7 @@ def _add_distill_parser(sub) -> None:
     d.add_argument(
         "--data",
         default=None,
-        help="comma-separated prompt sets (humaneval, chat, file:PATH; NAME@chat / NAME@raw "
+        help="comma-separated prompt sets (humaneval, chat, stdlib, longdoc, file:PATH; NAME@chat / NAME@raw "
         "force the chat template) (default: humaneval,chat)",
     )
     for flag, field, typ, text in DISTILL_OPTIONS:

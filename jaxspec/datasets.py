@@ -15,6 +15,13 @@
   MagicDec's long-context regime. ``longdoc_prompts(tokenizer, n, tokens)`` cuts them to a token
   length with the model's tokenizer; ``load("longdoc")`` gives documents of about 2K tokens.
   The text differs slightly between Python versions (the report names the version).
+* ``stdlib``: HumanEval-style code prompts from the Python standard library that ships with
+  CPython (PSF licence): the signature and docstring of each public function or method with a
+  docstring and a body of two or more statements, dedented, the body left for the model. About
+  2,800 prompts; the set depends on the Python version (the source names it). Files come in a
+  fixed pseudo-random order (by a hash of their path), so a prefix of the set spreads over the
+  library. A second real code source for distillation (``jaxspec distill --data``), disjoint from
+  HumanEval.
 * ``file:PATH``: your own prompts, one JSON string per line (``.jsonl``) or one per line (text).
 
 ``benchmarks/prompts/make_prompts.py`` regenerates the saved files from the packages.
@@ -35,6 +42,8 @@ SOURCES = {
     "Apache-2.0 licence",
     "longdoc": "Python Language Reference topics shipped with CPython (pydoc_data.topics, "
     "Python {}), PSF licence",
+    "stdlib": "function signatures and docstrings from the Python standard library shipped with "
+    "CPython (Python {}), PSF licence",
 }
 # sets whose prompts are user turns, to be wrapped in the model's chat template
 CHAT_SETS = {"chat", "longdoc"}
@@ -154,6 +163,64 @@ def longdoc_source() -> str:
     return SOURCES["longdoc"].format(sys.version.split()[0])
 
 
+STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+STDLIB_MAX_LINES = 30  # signature + docstring lines at most
+
+
+def _stdlib_files() -> list[pathlib.Path]:
+    import hashlib
+    import sysconfig
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts)]
+    key = lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()  # noqa: E731
+    return sorted(files, key=key)
+
+
+def _file_prompts(path: pathlib.Path) -> list[str]:
+    """The signature + docstring of every public function with a docstring and a body of two or
+    more statements after it, dedented."""
+    import ast
+    import textwrap
+
+    try:
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = src.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if node.name.startswith("_") or len(node.body) < 3:
+            continue
+        if not ast.get_docstring(node, clean=False):
+            continue
+        end = node.body[0].end_lineno
+        if end - node.lineno >= STDLIB_MAX_LINES:
+            continue
+        out.append(textwrap.dedent("\n".join(lines[node.lineno - 1 : end])) + "\n")
+    return out
+
+
+def stdlib(n: int | None = None) -> list[str]:
+    """Code prompts from the running Python's standard library (see the module docstring):
+    distinct, in a fixed order; with ``n``, only the files needed for the first ``n`` are read."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for path in _stdlib_files():
+        for prompt in _file_prompts(path):
+            if prompt not in seen:
+                seen.add(prompt)
+                out.append(prompt)
+        if n and len(out) >= n:
+            break
+    if not out:
+        raise OptionError("no functions with docstrings were found in this Python's stdlib.")
+    return _first(out, n, "stdlib")
+
+
 def load(name: str, n: int | None = None) -> tuple[list[str], str]:
     """(prompts, source description) of a dataset name."""
     if name == "humaneval":
@@ -162,6 +229,10 @@ def load(name: str, n: int | None = None) -> tuple[list[str], str]:
         return chat(n), SOURCES["chat"]
     if name == "longdoc":
         return longdoc(n), longdoc_source()
+    if name == "stdlib":
+        import sys
+
+        return stdlib(n), SOURCES["stdlib"].format(sys.version.split()[0])
     if name.startswith("file:"):
         path = pathlib.Path(name[5:])
         if not path.is_file():

@@ -60,3 +60,48 @@ def test_prompt_files(tmp_path):
     assert datasets.load(f"file:{lines}", 1)[0] == ["a\nb"]
     with pytest.raises(OptionError, match="does not exist"):
         datasets.load(f"file:{tmp_path / 'nope'}")
+
+
+def test_stdlib_prompts_are_signatures_with_docstrings(tmp_path):
+    import ast
+
+    prompts, source = datasets.load("stdlib", 40)
+    assert len(prompts) == 40 and len(set(prompts)) == 40 and "PSF" in source
+    for p in prompts:
+        # a body completes it: `pass` at one of the prompt's own indentations parses
+        indents = {ln[: len(ln) - len(ln.lstrip())] for ln in p.splitlines()[1:] if ln.strip()}
+        parsed = []
+        for ind in indents - {""}:
+            try:
+                parsed.append(ast.parse(p + ind + "pass\n").body[0])
+            except SyntaxError:
+                pass
+        assert parsed, p
+        fn = parsed[0]
+        assert isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        assert ast.get_docstring(fn) and not fn.name.startswith("_")
+    # a prefix reads only the files it needs, and is the prefix of the whole set's order
+    assert datasets.stdlib(5) == prompts[:5]
+
+    f = tmp_path / "m.py"
+    f.write_text(
+        "class C:\n"
+        "    def kept(self, x):\n"
+        "        '''Doc.'''\n"
+        "        y = x\n"
+        "        return y\n"
+        "def short(x):\n"
+        "    '''Doc.'''\n"
+        "    return x\n"
+        "def _private(x):\n"
+        "    '''Doc.'''\n"
+        "    y = x\n"
+        "    return y\n"
+        "def nodoc(x):\n"
+        "    y = x\n"
+        "    z = y\n"
+        "    return z\n"
+    )
+    assert datasets._file_prompts(f) == ["def kept(self, x):\n    '''Doc.'''\n"]
+    (tmp_path / "bad.py").write_text("def (:\n")
+    assert datasets._file_prompts(tmp_path / "bad.py") == []
