@@ -235,8 +235,8 @@ def _add_distill_parser(sub) -> None:
     d.add_argument(
         "--data",
         default=None,
-        help="comma-separated prompt sets (humaneval, chat, stdlib, longdoc, file:PATH; NAME@chat / NAME@raw "
-        "force the chat template) (default: humaneval,chat)",
+        help="comma-separated prompt sets (humaneval, chat, stdlib, longdoc, file:PATH; "
+        "NAME@chat / NAME@raw force the chat template) (default: humaneval,chat)",
     )
     for flag, field, typ, text in DISTILL_OPTIONS:
         d.add_argument(
