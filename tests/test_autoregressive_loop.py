@@ -1,28 +1,34 @@
-"""The autoregressive loop checks its stop condition every ``chunk_steps()`` steps (8 on GPU, 1
-elsewhere). Forced chunks on CPU must change nothing: the tokens, per-row counts at EOS and the
-step count equal the one-step loop's, greedy and sampled."""
+"""The engines check their stop condition every ``chunk`` loop iterations (``common.until_done``:
+8 steps for autoregressive decoding and 4 verifications for chain/tree at batch <= 8 on GPU, 1
+elsewhere). Forced chunks on CPU (``JAXSPEC_LOOP_CHUNK``) must change nothing: the tokens, the
+per-row counts at EOS, the step counts and the acceptance lengths equal the one-step loop's,
+greedy and sampled, for every engine and draft kind."""
 
 import pytest
 
 import jaxspec
-from jaxspec.engines import autoregressive, common
+from jaxspec.engines import common
+from jaxspec.errors import OptionError
 from tests import tiny
 
 
 def _run(monkeypatch, chunk, target, prompts, **kw):
-    monkeypatch.setattr(autoregressive, "chunk_steps", lambda: chunk)
-    common._COMPILED.clear()
-    autoregressive.decode.clear_cache()
+    monkeypatch.setenv(common.LOOP_CHUNK_ENV, str(chunk))
     r = jaxspec.generate(target, prompts, **kw)
-    return r.tokens, r.stats["target_steps"]
+    keep = ("target_steps", "draft_steps", "acceptance_length")
+    return r.tokens, {k: r.stats[k] for k in keep if k in r.stats}
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_chunked_loop_equals_one_step_loop(seed, monkeypatch):
+def _eos_target(seed):
     base = tiny.model(seed)
     prompts = tiny.prompts(seed, lengths=(11, 2, 6))
     ref = jaxspec.generate(base, prompts[:1], max_new_tokens=10).tokens[0]
-    target = tiny.with_eos(base, ref[4])  # row 0 stops at its first ref[4]
+    return base, tiny.with_eos(base, ref[4]), prompts, ref  # row 0 stops at its first ref[4]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_autoregressive_loop_equals_one_step_loop(seed, monkeypatch):
+    _, target, prompts, ref = _eos_target(seed)
     for kw in (dict(max_new_tokens=13), dict(max_new_tokens=13, temperature=0.9, seed=seed)):
         one = _run(monkeypatch, 1, target, prompts, **kw)
         if "temperature" not in kw:
@@ -31,4 +37,37 @@ def test_chunked_loop_equals_one_step_loop(seed, monkeypatch):
             assert len({len(row) for row in one[0]}) > 1, "rows should stop at different steps"
         for chunk in (3, 8):
             assert _run(monkeypatch, chunk, target, prompts, **kw) == one, (chunk, kw)
-    autoregressive.decode.clear_cache()
+
+
+@pytest.mark.parametrize(
+    "method,draft,seed",
+    [
+        ("chain", "ngram", 0),
+        ("chain", "model", 1),
+        ("chain", "self-streaming", 2),
+        ("tree", "ngram", 3),
+        ("tree", "model", 4),
+    ],
+)
+def test_chunked_speculative_loops_equal_one_step_loop(method, draft, seed, monkeypatch):
+    base, target, prompts, _ = _eos_target(seed)
+    d = tiny.perturbed(base, 0.3, seed) if draft == "model" else draft
+    opts = dict(gamma=3) if method == "chain" else dict(depth=3, width=4, branch=2, bs=4)
+    if draft == "self-streaming":
+        opts.update(budget=20, sinks=2)
+    for kw in (dict(max_new_tokens=15), dict(max_new_tokens=15, temperature=0.9, seed=seed)):
+        kw = dict(kw, method=method, draft=d, **opts)
+        one = _run(monkeypatch, 1, target, prompts, **kw)
+        if "temperature" not in kw:  # rows stop at different steps; the one-step loop is lossless
+            assert len({len(row) for row in one[0]}) > 1, "rows should stop at different steps"
+            ar = jaxspec.generate(target, prompts, max_new_tokens=15).tokens
+            assert one[0] == ar
+        for chunk in (3,):
+            assert _run(monkeypatch, chunk, target, prompts, **kw) == one, (chunk, kw)
+
+
+@pytest.mark.parametrize("bad", ["0", "x", "65", "-1"])
+def test_bad_loop_chunk_is_a_clear_error(bad, monkeypatch):
+    monkeypatch.setenv(common.LOOP_CHUNK_ENV, bad)
+    with pytest.raises(OptionError, match="JAXSPEC_LOOP_CHUNK"):
+        jaxspec.generate(tiny.model(0), tiny.prompts(0)[:1], max_new_tokens=3)

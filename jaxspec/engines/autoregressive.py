@@ -1,7 +1,8 @@
 """Autoregressive decoding: prefill, then one token per target step, the whole loop on device.
 
-``init_state`` and ``step`` are the pure pieces; ``decode`` is the jitted loop (one
-``lax.while_loop``, one host sync at the end) that ``generate`` calls.
+``init_state`` and ``step`` are the pure pieces; ``decode`` is the jitted loop (a
+``lax.while_loop`` that checks its stop condition every ``chunk`` steps: 8 on GPU, 1 elsewhere;
+see ``common.until_done``) that ``generate`` calls.
 """
 
 from __future__ import annotations
@@ -13,19 +14,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import execute, is_eos, prefill
+from jaxspec.engines.common import execute, is_eos, loop_chunk, prefill, until_done
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.sampling import Sampling, sample
 
-# decode steps per check of the stop condition on GPU (see ``decode``); 1 elsewhere, where the
-# check is cheap and the steps after the last row is done would be pure waste
+# decode steps per check of the stop condition on GPU (``common.until_done``)
 GPU_CHUNK = 8
-
-
-def chunk_steps() -> int:
-    return GPU_CHUNK if jax.default_backend() == "gpu" else 1
 
 
 @pytree_dataclass
@@ -82,9 +78,9 @@ def step(graphdef, params, s: State, *, sampling: Sampling, eos: tuple[int, ...]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "cfg", "max_new", "capacity", "sampling", "eos")
+    jax.jit, static_argnames=("graphdef", "cfg", "max_new", "capacity", "sampling", "eos", "chunk")
 )
-def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling, eos):
+def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling, eos, chunk=1):
     s = init_state(
         graphdef,
         params,
@@ -99,20 +95,7 @@ def decode(params, ids, lens, key, *, graphdef, cfg, max_new, capacity, sampling
     )
     s.done = s.done | (s.count >= max_new)
 
-    def chunk(s):
-        # chunk_steps() steps per check of the stop condition: a data-dependent while loop costs a
-        # device-to-host copy and a wait per iteration on GPU. Steps after every row is done
-        # change nothing (emitting is masked, cache writes past the capacity are dropped)
-        # and are not counted.
-        def one(_, s):
-            active = ~jnp.all(s.done)
-            s = step(graphdef, params, s, sampling=sampling, eos=eos)
-            s.steps = s.steps - 1 + active
-            return s
-
-        return jax.lax.fori_loop(0, chunk_steps(), one, s)
-
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), chunk, s)
+    s = until_done(lambda s: step(graphdef, params, s, sampling=sampling, eos=eos), s, chunk)
     return s.out, s.count, s.steps
 
 
@@ -134,6 +117,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         capacity=ids.shape[1] + max_new,
         sampling=sampling,
         eos=eos,
+        chunk=loop_chunk(GPU_CHUNK),
     )
     key = jax.random.key(seed)
     (out, count, steps), wall_s, compile_s = execute(

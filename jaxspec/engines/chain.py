@@ -13,7 +13,14 @@ from jaxtyping import Array, Bool, Int
 from jaxspec import drafts
 from jaxspec.acceptance import accept_chain, accept_chain_greedy
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import execute, is_eos, prefill, speculative_stats
+from jaxspec.engines.common import (
+    execute,
+    is_eos,
+    prefill,
+    spec_chunk,
+    speculative_stats,
+    until_done,
+)
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model import apply
@@ -136,7 +143,17 @@ def step(tparams, dparams, s: State, *, graphdef, draft, gamma: int, sampling, e
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "cfg", "draft", "gamma", "max_new", "capacity", "sampling", "eos"),
+    static_argnames=(
+        "graphdef",
+        "cfg",
+        "draft",
+        "gamma",
+        "max_new",
+        "capacity",
+        "sampling",
+        "eos",
+        "chunk",
+    ),
 )
 def decode(
     tparams,
@@ -153,6 +170,7 @@ def decode(
     capacity,
     sampling,
     eos,
+    chunk=1,
 ):
     s = init_state(
         tparams,
@@ -169,8 +187,7 @@ def decode(
         sampling=sampling,
         eos=eos,
     )
-    s = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
+    s = until_done(
         lambda s: step(
             tparams,
             dparams,
@@ -182,6 +199,7 @@ def decode(
             eos=eos,
         ),
         s,
+        chunk,
     )
     return s.out, s.count, s.steps, s.emitted, s.live_steps
 
@@ -207,6 +225,7 @@ def run_resolved(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, s
         capacity=ids.shape[1] + max_new + gamma + 2,
         sampling=sampling,
         eos=eos,
+        chunk=spec_chunk(ids.shape[0]),
     )
     (out, count, steps, emitted, live), wall_s, compile_s = execute(
         decode, target.params, dparams, ids, lens, jax.random.key(seed), **static

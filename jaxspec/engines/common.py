@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from jaxspec.kv_cache import KVCache, causal_block
 from jaxspec.model import apply, fused_linear_off
 
 PREFILL_CHUNK = 256
+LOOP_CHUNK_ENV = "JAXSPEC_LOOP_CHUNK"
 
 
 @dataclasses.dataclass
@@ -81,6 +83,52 @@ def is_eos(tok: Int[Array, "*b"], eos_ids: tuple[int, ...]) -> Bool[Array, "*b"]
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
     return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
+
+
+def loop_chunk(gpu_default: int) -> int:
+    """Loop iterations per check of the stop condition: ``gpu_default`` on GPU, 1 elsewhere
+    (where the check is cheap and iterations after the last row is done are pure waste);
+    ``JAXSPEC_LOOP_CHUNK`` overrides both (for measuring, and for the tests)."""
+    from jaxspec.errors import OptionError
+
+    raw = os.environ.get(LOOP_CHUNK_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or not 1 <= int(raw) <= 64:
+            raise OptionError(f"{LOOP_CHUNK_ENV} must be an integer from 1 to 64, got {raw!r}.")
+        return int(raw)
+    return gpu_default if jax.default_backend() == "gpu" else 1
+
+
+# verifications per check of the stop condition on GPU for speculative loops at batch <= 8, where
+# a step is short (~1 ms) and the check's round trip shows; at larger batches a step is long and
+# a chunk would mostly add wasted verifications at the end
+SPEC_GPU_CHUNK = 4
+
+
+def spec_chunk(batch: int) -> int:
+    return loop_chunk(SPEC_GPU_CHUNK if batch <= 8 else 1)
+
+
+def until_done(step, s, chunk: int):
+    """``while not all(s.done): s = step(s)``, checking the condition every ``chunk`` iterations.
+
+    On GPU a data-dependent ``lax.while_loop`` costs a device-to-host copy and a wait per
+    iteration; a chunk pays it once per ``chunk`` steps. The steps a chunk runs after every row
+    is done must change nothing (the engines mask emitting and cache growth by ``done``), and are
+    not counted in ``s.steps``.
+    """
+    if chunk == 1:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, s)
+
+    def one(_, s):
+        active = ~jnp.all(s.done)
+        s = step(s)
+        s.steps = s.steps - 1 + active
+        return s
+
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done), lambda s: jax.lax.fori_loop(0, chunk, one, s), s
+    )
 
 
 def trim(out: np.ndarray, n: np.ndarray) -> list[list[int]]:

@@ -28,7 +28,7 @@ import jax
 
 from jaxspec import cost_model, drafts, tree_drafts
 from jaxspec.engines import chain, tree
-from jaxspec.engines.common import execute, speculative_stats
+from jaxspec.engines.common import execute, spec_chunk, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.errors import DraftError, OptionError
 
@@ -200,6 +200,7 @@ def _run_tree(target, td, dparams, ids, lens, shape, max_new, sampling, eos, see
         capacity=ids.shape[1] + max_new + shape.capacity + 2,
         sampling=sampling,
         eos=eos,
+        chunk=spec_chunk(ids.shape[0]),
     )
     (out, count, steps, emitted, live), wall_s, compile_s = execute(
         tree.decode, target.params, dparams, ids, lens, jax.random.key(seed), **static

@@ -16,7 +16,14 @@ from jaxspec import drafts, tree_drafts
 from jaxspec import tree as T
 from jaxspec.acceptance import accept_tree, accept_tree_greedy
 from jaxspec.engines.chain import emit
-from jaxspec.engines.common import execute, is_eos, prefill, speculative_stats
+from jaxspec.engines.common import (
+    execute,
+    is_eos,
+    prefill,
+    spec_chunk,
+    speculative_stats,
+    until_done,
+)
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.kv_cache import KVCache, commit, init_cache
 from jaxspec.model import apply
@@ -164,7 +171,17 @@ def step(tparams, dparams, s: State, *, graphdef, draft, shape: TreeShape, sampl
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "cfg", "draft", "shape", "max_new", "capacity", "sampling", "eos"),
+    static_argnames=(
+        "graphdef",
+        "cfg",
+        "draft",
+        "shape",
+        "max_new",
+        "capacity",
+        "sampling",
+        "eos",
+        "chunk",
+    ),
 )
 def decode(
     tparams,
@@ -181,6 +198,7 @@ def decode(
     capacity,
     sampling,
     eos,
+    chunk=1,
 ):
     s = init_state(
         tparams,
@@ -196,8 +214,7 @@ def decode(
         sampling=sampling,
         eos=eos,
     )
-    s = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
+    s = until_done(
         lambda s: step(
             tparams,
             dparams,
@@ -209,6 +226,7 @@ def decode(
             eos=eos,
         ),
         s,
+        chunk,
     )
     return s.out, s.count, s.steps, s.emitted, s.live_steps
 
@@ -230,6 +248,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         capacity=capacity,
         sampling=sampling,
         eos=eos,
+        chunk=spec_chunk(ids.shape[0]),
     )
     key = jax.random.key(seed)
     (out, count, steps, emitted, live), wall_s, compile_s = execute(
