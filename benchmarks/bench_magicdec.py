@@ -2,7 +2,8 @@
 sparse-KV draft over autoregressive decoding at the same batch and prefix.
 
     python benchmarks/bench_magicdec.py [--prefixes 2048,4096,7168] [--batches 1,128,64,32,8]
-        [--drafts self-streaming,self-snapkv] [--budget 512] [--gammas 2,3,4] [--new 96]
+        [--drafts self-streaming,self-snapkv,NAME=DRAFT_DIR[:snapkv]] [--budget 512]
+        [--gammas 2,3,4] [--new 96]
         [--budget-s 400] [--out benchmarks/results/magicdec.json]
 
 Target: SmolLM2-135M-Instruct (``jaxspec.default_model``; ``JAXSPEC_DEFAULT_GGUF`` names the GGUF
@@ -81,7 +82,12 @@ def parse(argv=None):
         help="measured in this order (default: the ends of the trend first, should the budget "
         "run out)",
     )
-    p.add_argument("--drafts", default="self-streaming,self-snapkv")
+    p.add_argument(
+        "--drafts",
+        default="self-streaming,self-snapkv",
+        help="comma-separated: self-streaming, self-snapkv, or NAME=DIR for a distilled draft "
+        "checkpoint with a StreamingLLM cache of the same budget (NAME=DIR:snapkv for SnapKV)",
+    )
     p.add_argument("--budget", type=int, default=512, help="the draft's KV budget (tokens)")
     p.add_argument("--gammas", default="2,3,4", help="gammas measured (T_V) and run")
     p.add_argument(
@@ -558,25 +564,46 @@ class Bench:
 # ------------------------------------------------------------------------------- main
 
 
+def draft_specs(text: str) -> dict[str, str]:
+    """``--drafts`` as {row name: spec}: a self draft's name is its spec; ``NAME=DIR[:snapkv]``
+    names a distilled draft checkpoint."""
+    out = {}
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            name, _, spec = item.partition("=")
+            out[name] = spec or name
+    return out
+
+
+def resolve(target, spec: str, budget: int):
+    """(draft, params) of a ``draft_specs`` value: a sparse-KV self draft, or a distilled draft
+    Model over a sparse cache of the same budget (StreamingLLM, or SnapKV with ``:snapkv``)."""
+    from jaxspec.draft_checkpoint import load_draft
+    from jaxspec.engines import magicdec
+
+    if spec.startswith("self-"):
+        return magicdec.resolve_draft(target, spec, budget=budget)
+    path, _, sparse = spec.rpartition(":") if spec.endswith(":snapkv") else (spec, "", "")
+    model = load_draft(path, target)
+    return magicdec.resolve_draft(target, model, sparse=sparse or "streaming", budget=budget)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     t0 = time.perf_counter()
     from jaxspec import datasets
     from jaxspec.convert import load
     from jaxspec.default_model import default_checkpoint
-    from jaxspec.engines import magicdec
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = {"auto": jnp.bfloat16 if on_gpu else jnp.float32}.get(args.dtype, args.dtype)
     prefixes, batches, gammas = ints(args.prefixes), ints(args.batches), sorted(ints(args.gammas))
-    draft_names = [d for d in args.drafts.split(",") if d]
+    draft_names = draft_specs(args.drafts)
     path = args.model or default_checkpoint(progress=False)
     target = load(path, dtype=dtype)
     log(t0, f"loaded {path} as {jnp.dtype(dtype).name} on {jax.devices()[0]}")
     cfg = target.config
-    drafts_ = {
-        name: magicdec.resolve_draft(target, name, budget=args.budget) for name in draft_names
-    }
+    drafts_ = {name: resolve(target, spec, args.budget) for name, spec in draft_names.items()}
     # prompts: a different document per row, chat template, `prefix` tokens each
     docs = {p: datasets.longdoc_prompts(target.tokenizer, max(batches), p) for p in prefixes}
     longest = max(len(r) for rows in docs.values() for r in rows)
@@ -604,7 +631,7 @@ def main(argv=None) -> int:
         "settings": {
             "prefixes": prefixes,
             "batches": batches,
-            "drafts": draft_names,
+            "drafts": draft_names,  # name: what it is
             "budget": args.budget,
             "sparse": {k: str(d.sparse) for k, (d, _) in drafts_.items()},
             "gammas": gammas,
