@@ -49,6 +49,7 @@ ORDER = [
     "bench_h200",
     "bench_h200_peers",
     "magicdec",
+    "magicdec_distilled",
     "magicdec_8b",
     "swiftspec_2gpu",
     "gpu_decode",
