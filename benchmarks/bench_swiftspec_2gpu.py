@@ -6,7 +6,12 @@ time, which is what the overlap changes). Measures t_verify(bs), t_draft (one ex
 leaves), the handoffs, picks d = round((t_verify - handoff) / t_draft) as ``jaxspec profile``
 would, then runs both engines for the same number of new tokens.
 
-    python benchmarks/bench_swiftspec_2gpu.py [--new 48] [--smoke]
+    python benchmarks/bench_swiftspec_2gpu.py [--new 48] [--smoke] [--trace DIR]
+
+``--trace DIR`` runs the async engine once more under ``jax.profiler.trace`` and adds ``trace``
+to the JSON (``benchmarks/trace_gaps.py``): per GPU, busy and idle milliseconds, the largest idle
+gaps with the XLA modules around them, and a timeline of module spans of both GPUs in the middle
+of the run. It shows which of verify, grow, re-root/snapshot and the handoffs sets the iteration.
 """
 
 from __future__ import annotations
@@ -46,6 +51,29 @@ def device_put_blocks(d0, d1) -> dict:
     return out
 
 
+def traced(trace_dir: str, target, prompts, draft, common: dict) -> dict:
+    """One more async run under the profiler: per-GPU busy/idle, largest gaps, a timeline."""
+    from benchmarks import trace_gaps
+
+    with jax.profiler.trace(trace_dir):
+        r = generate(
+            target, prompts, draft=draft, method="swiftspec", target_devices=1, draft_devices=1,
+            **common,
+        )  # fmt: skip
+    devices = trace_gaps.device_events(trace_dir)
+    steps = r.stats["verify_steps"]
+    return {
+        "iteration_ms": round(r.stats["wall_s"] / steps * 1e3, 3),
+        "verify_steps": steps,
+        "devices": {
+            name: trace_gaps.summarize(dev["modules"], dev["kernels"])
+            for name, dev in devices.items()
+        },
+        # module spans from the middle of the run: ~4 modules per iteration over both GPUs
+        "timeline": trace_gaps.timeline(devices, skip=2 * steps, n=40),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new", type=int, default=48)
@@ -53,6 +81,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", default=None, metavar="DIR", help="profile one more async run")
     args = ap.parse_args()
     tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
@@ -142,6 +171,8 @@ def main():
             for name, x in runs.items()
         },
     }
+    if args.trace:
+        payload["trace"] = traced(args.trace, target, [prompt], draft, common)
     write("swiftspec_2gpu_smoke.json" if args.smoke else "swiftspec_2gpu.json", payload, args.out)
     for k in (
         "t_verify_ms",

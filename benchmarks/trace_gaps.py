@@ -1,0 +1,114 @@
+"""Where devices sit idle: a profiler trace (``jax.profiler.trace``) as per-device busy time, the
+largest idle gaps with the XLA modules on either side, and a timeline of module spans.
+
+Used by ``bench_swiftspec_2gpu.py --trace`` (issue 4: is the async loop's iteration set by the
+target's verify, the draft's work, or the gaps between them?) and ``gpu/probe_small.py``.
+``device_events`` reads the trace's GPU planes (a CPU trace has none); the summaries are pure
+functions of event lists, so they are tested with made-up events.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+
+Event = tuple[int, int, str]  # (start ns, duration ns, name)
+
+
+def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
+    """Per GPU plane of the newest trace under ``trace_dir``: its XLA module spans
+    (``"modules"``, the "XLA Modules" line) and kernels (``"kernels"``, the stream lines)."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not paths:
+        return {}
+    out: dict[str, dict[str, list[Event]]] = {}
+    for plane in ProfileData.from_file(paths[-1]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        dev = out.setdefault(plane.name, {"modules": [], "kernels": []})
+        for line in plane.lines:
+            kind = "modules" if line.name == "XLA Modules" else None
+            kind = kind or ("kernels" if "Stream" in line.name else None)
+            if kind:
+                dev[kind] += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+    for dev in out.values():
+        dev["modules"].sort()
+        dev["kernels"].sort()
+    return out
+
+
+def busy_intervals(events: list[Event]) -> list[tuple[int, int]]:
+    """The union of the events' [start, end) intervals, in order (streams may overlap)."""
+    merged: list[list[int]] = []
+    for start, dur, _ in sorted(events):
+        end = start + dur
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _module_at(modules: list[Event], t: int) -> str:
+    """The module running at time ``t`` (or the last one to start before it)."""
+    name = "-"
+    for start, _dur, mod in modules:
+        if start > t:
+            break
+        name = mod
+    return short(name)
+
+
+def short(name: str) -> str:
+    """``jit_target_verify(1234)`` -> ``target_verify``."""
+    name = name.split("(")[0]
+    return name[4:] if name.startswith("jit_") else name
+
+
+def summarize(modules: list[Event], kernels: list[Event], *, top: int = 8) -> dict:
+    """One device: span and busy milliseconds (kernels), the ``top`` largest idle gaps with the
+    modules before and after each, and per-module launches and milliseconds of span."""
+    busy = busy_intervals(kernels)
+    if not busy:
+        return {"kernels": 0}
+    span = busy[-1][1] - busy[0][0]
+    busy_ns = sum(b - a for a, b in busy)
+    gaps = sorted(
+        ((nxt[0] - cur[1], cur[1], nxt[0]) for cur, nxt in zip(busy, busy[1:], strict=False)),
+        reverse=True,
+    )
+    per_module: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for _, dur, name in modules:
+        per_module[short(name)][0] += 1
+        per_module[short(name)][1] += dur / 1e6
+    return {
+        "kernels": len(kernels),
+        "span_ms": round(span / 1e6, 3),
+        "busy_ms": round(busy_ns / 1e6, 3),
+        "idle_ms": round((span - busy_ns) / 1e6, 3),
+        "largest_gaps": [
+            {
+                "ms": round(g / 1e6, 3),
+                "after": _module_at(modules, a - 1),
+                "before": _module_at(modules, b),
+            }
+            for g, a, b in gaps[:top]
+        ],
+        "modules": {k: {"count": v[0], "ms": round(v[1], 3)} for k, v in per_module.items()},
+    }
+
+
+def timeline(devices: dict[str, dict[str, list[Event]]], *, skip: int = 0, n: int = 40) -> list:
+    """Module spans of all devices in start order, ``n`` of them after the first ``skip``:
+    [device index, module, start ms (from the first listed), duration ms]."""
+    spans = sorted(
+        (start, dur, i, short(name))
+        for i, dev in enumerate(devices.values())
+        for start, dur, name in dev["modules"]
+    )[skip : skip + n]
+    if not spans:
+        return []
+    t0 = spans[0][0]
+    return [[i, name, round((s - t0) / 1e6, 3), round(d / 1e6, 3)] for s, d, i, name in spans]

@@ -1,0 +1,47 @@
+"""The trace summary of the GPU benchmarks (benchmarks/trace_gaps.py) on made-up events: busy
+time is the union of overlapping kernels, gaps are named by the modules around them."""
+
+from benchmarks import trace_gaps as tg
+
+MS = 1_000_000  # ns
+
+
+def test_busy_intervals_merge_overlaps():
+    ev = [(0, 5, "a"), (3, 4, "b"), (10, 2, "c"), (12, 3, "d"), (20, 1, "e")]
+    assert tg.busy_intervals(ev) == [(0, 7), (10, 15), (20, 21)]
+
+
+def test_summary_names_the_largest_gap():
+    modules = [(0, 4 * MS, "jit_draft_grow(1)"), (9 * MS, 2 * MS, "jit_draft_next(7)")]
+    kernels = [
+        (0, 2 * MS, "k1"),
+        (1 * MS, 3 * MS, "k2"),
+        (9 * MS, 1 * MS, "k3"),
+        (10 * MS, MS, "k4"),
+    ]
+    s = tg.summarize(modules, kernels)
+    assert s["kernels"] == 4
+    assert s["span_ms"] == 11.0 and s["busy_ms"] == 6.0 and s["idle_ms"] == 5.0
+    assert s["largest_gaps"][0] == {"ms": 5.0, "after": "draft_grow", "before": "draft_next"}
+    assert s["modules"] == {
+        "draft_grow": {"count": 1, "ms": 4.0},
+        "draft_next": {"count": 1, "ms": 2.0},
+    }
+    assert tg.summarize([], []) == {"kernels": 0}
+
+
+def test_timeline_orders_both_devices():
+    devices = {
+        "/device:GPU:0": {"modules": [(2 * MS, 6 * MS, "jit_target_verify(3)")], "kernels": []},
+        "/device:GPU:1": {
+            "modules": [(0, MS, "jit_draft_next(1)"), (3 * MS, 2 * MS, "jit_draft_grow(2)")],
+            "kernels": [],
+        },
+    }
+    assert tg.timeline(devices) == [
+        [1, "draft_next", 0.0, 1.0],
+        [0, "target_verify", 2.0, 6.0],
+        [1, "draft_grow", 3.0, 2.0],
+    ]
+    assert tg.timeline(devices, skip=1, n=1) == [[0, "target_verify", 0.0, 6.0]]
+    assert tg.device_events("/nonexistent-trace-dir") == {}
