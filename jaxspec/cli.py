@@ -293,7 +293,7 @@ def _load_draft(args, target):
 def _auto_method(args, target, draft):
     """``--method auto``: chain with the given draft, or on a GPU with the shipped distilled
     draft for the embedded default model (when it is there and matches), else autoregressive.
-    On a CPU the shipped draft measured 0.75x autoregressive (benchmarks/results/distill.json):
+    On a CPU the shipped draft measured 0.71x autoregressive (benchmarks/results/distill.json):
     its LM head costs a quarter of a target step there."""
     if args.method != "auto":
         return args.method, draft
