@@ -5,7 +5,9 @@ prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many t
 
 * ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy;
 * ``chain_tok_per_s_b1_ctx*`` / ``tree_tok_per_s_b1_ctx*``: with each draft given (the distilled
-  draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported;
+  draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported. With
+  ``--gammas``, chain runs at each gamma too (``chain_<draft>_ctx*_gamma<g>_*``) and each draft's
+  figure is its best gamma's (``chain_<draft>_ctx*_gamma``);
 * ``hf_eager_tok_per_s_b1``: HF transformers' eager ``generate`` on the same weights and GPU,
   measured in the same run (short chat prompt, as ``bench_autoregressive.py``);
 * ``fast_path_check``: greedy tokens of the fast path (the Pallas attention kernel) against the
@@ -13,7 +15,8 @@ prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many t
   autoregressive; at a difference the target's top-2 logit gap there (bf16 near-tie rule);
 * ``step_1b``: a Llama-3.2-1B-shape decode step (random weights) against its HBM floor.
 
-    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--out small_model.json]
+    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--gammas 6,8]
+        [--out small_model.json]
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument(
+        "--gammas",
+        default=None,
+        help="chain gammas to run besides --gamma (e.g. 6,8); each draft's chain figure is then "
+        "its best gamma's (bench_gamma_sweep.py: acceptance grows with gamma)",
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--skip-1b", action="store_true")
     ap.add_argument("--out", default=None)
@@ -93,6 +102,7 @@ def main():
         "dtype": str(jnp.dtype(dtype)),
         "new_tokens": args.new,
         "gamma": args.gamma,
+        "gammas": args.gammas,
         "tree_shape": {"depth": 4, "width": 8, "branch": 4, "bs": 8},
         "drafts": list(drafts),
     }
@@ -103,25 +113,44 @@ def main():
         ar_tps, ar = timed(model, ids, args.new, args.repeats)
         payload[f"ar_tok_per_s_b1_ctx{ctx}"] = round(ar_tps, 1)
         print(f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s", flush=True)
-        for method, opts in (("chain", {"gamma": args.gamma}), ("tree", {"depth": 4})):
-            best = 0.0
+        gammas = sorted({args.gamma, *(int(g) for g in (args.gammas or "").split(",") if g)})
+        runs = [("chain", {"gamma": g}) for g in gammas] + [("tree", {"depth": 4})]
+        best: dict[str, float] = {}
+        for method, opts in runs:
             for name, draft in drafts.items():
                 t0 = time.perf_counter()
                 tps, r = timed(
                     model, ids, args.new, args.repeats, method=method, draft=draft, **opts
                 )
                 key = f"{method}_{name}_ctx{ctx}"
-                payload[f"{key}_tok_per_s"] = round(tps, 1)
-                payload[f"{key}_acceptance_length"] = round(r.stats["acceptance_length"], 3)
-                checks[f"{key}_vs_autoregressive"] = compare(model, ids, ar.tokens[0], r.tokens[0])
-                best = max(best, tps)
+                if method == "chain" and len(gammas) > 1:
+                    g = opts["gamma"]
+                    payload[f"{key}_gamma{g}_tok_per_s"] = round(tps, 1)
+                    payload[f"{key}_gamma{g}_acceptance_length"] = round(
+                        r.stats["acceptance_length"], 3
+                    )
+                    checks[f"{key}_gamma{g}_vs_autoregressive"] = compare(
+                        model, ids, ar.tokens[0], r.tokens[0]
+                    )
+                if tps > payload.get(f"{key}_tok_per_s", 0.0):  # the draft's best gamma
+                    payload[f"{key}_tok_per_s"] = round(tps, 1)
+                    payload[f"{key}_acceptance_length"] = round(r.stats["acceptance_length"], 3)
+                    if method == "chain":
+                        payload[f"{key}_gamma"] = opts["gamma"]
+                    checks[f"{key}_vs_autoregressive"] = compare(
+                        model, ids, ar.tokens[0], r.tokens[0]
+                    )
+                best[method] = max(best.get(method, 0.0), tps)
+                acc = r.stats["acceptance_length"]
+                took = time.perf_counter() - t0
                 print(
-                    f"  {method:>6} + {name:<10} {tps:8.1f} tok/s  acc "
-                    f"{r.stats['acceptance_length']:.2f}  ({time.perf_counter() - t0:.0f} s)",
+                    f"  {method:>6} + {name:<10} {tps:8.1f} tok/s  acc {acc:.2f}  {opts}  "
+                    f"({took:.0f} s)",
                     flush=True,
                 )
-            payload[f"{method}_tok_per_s_b1_ctx{ctx}"] = round(best, 1)
-            payload[f"{method}_over_ar_ctx{ctx}"] = round(best / ar_tps, 2)
+        for method, tps in best.items():
+            payload[f"{method}_tok_per_s_b1_ctx{ctx}"] = round(tps, 1)
+            payload[f"{method}_over_ar_ctx{ctx}"] = round(tps / ar_tps, 2)
         if ctx == int(args.contexts.split(",")[0]):
             # the plain path: the jnp reference attention instead of the Pallas kernel
             import jaxspec.model as jm
