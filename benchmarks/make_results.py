@@ -44,6 +44,7 @@ ORDER = [
     "distill",
     "ar_gpu",
     "small_model",
+    "gamma_sweep_cpu",
     "small_step_probe",
     "spec_core_gpu",
     "bench_h200",
