@@ -197,7 +197,8 @@ def test_failure_while_writing_cleans_up(src, out, monkeypatch, exc):
         raise exc
 
     monkeypatch.setattr(jconvert, "_save_params", save_then_fail)
-    _convert_fails(src, out, "", exc=type(exc))
+    err = _convert_fails(src, out, None, exc=type(exc))
+    assert err is exc, "the original failure should reach the caller, not a wrapper"
     assert not out.exists()
 
 
