@@ -39,7 +39,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def metadata() -> dict:
-    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command.
+    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command, and
+    ``xla_flags`` when ``XLA_FLAGS`` is set.
 
     ``JAXSPEC_COMMIT`` wins when set: a copy of the tree on another machine (the GPU runs) may
     carry a stale ``.git``."""
@@ -68,13 +69,16 @@ def metadata() -> dict:
         if dev.platform != "cpu"
         else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
     )
-    return {
+    meta = {
         "date": datetime.date.today().isoformat(),
         "device": device,
         "jax": jax.__version__,
         "commit": commit,
         "command": _command(sys.argv),
     }
+    if os.environ.get("XLA_FLAGS"):  # compiler options change the figures: keep them with them
+        meta["xla_flags"] = os.environ["XLA_FLAGS"]
+    return meta
 
 
 def _command(argv: list[str]) -> str:

@@ -1,8 +1,11 @@
-"""Where a SmolLM2-shape decode step's time goes on the GPU (issue 10): steps/s of a device loop
-and, from a profiler trace of the same loop, GPU kernel count, busy time and gaps per step.
+"""Where a SmolLM2-shape decode step's time goes on the GPU (issues 10 and 5): steps/s of a
+device loop and, from a profiler trace of the same loop, GPU kernel count, busy time and the
+kernels that take it, per step.
 
-    python benchmarks/gpu/probe_small.py --label NAME [--context 1024] [--out DIR]
-Run it under different XLA_FLAGS to compare compiler options (one process per setting).
+    python benchmarks/gpu/probe_small.py --label NAME [--context 1024] [--batch 1] [--out DIR]
+Run it under different XLA_FLAGS to compare compiler options (one process per setting). With
+``--batch 128 --context 512`` it is the shape of a MagicDec self-draft step (a 512-token sparse
+cache) at batch 128.
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="default")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     cfg = SMOLLM2_135M
     model = new_model(cfg, seed=0, dtype=jnp.bfloat16)
-    cache = init_cache(cfg, 1, args.context + args.steps + 8, jnp.bfloat16)
-    cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((1,), args.context, jnp.int32))
-    tok = jnp.zeros((1, 1), jnp.int32)
+    b = args.batch
+    cache = init_cache(cfg, b, args.context + args.steps + 8, jnp.bfloat16)
+    cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((b,), args.context, jnp.int32))
+    tok = jnp.zeros((b, 1), jnp.int32)
     loop = make_loop(model.graphdef, args.steps, 1)
     exe = loop.lower(model.params, cache, tok).compile()
     counts = kernel_count(exe.as_text())
@@ -70,7 +75,13 @@ def main():
         once()
         times.append(time.perf_counter() - t0)
     ms = sorted(times)[3] / args.steps * 1e3
-    row = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_per_step": ms}
+    row = {
+        "label": args.label,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "batch": b,
+        "context": args.context,
+        "ms_per_step": ms,
+    }
     row.update({k: v for k, v in counts.items() if k in ("fusion_ops", "custom_calls")})
     tdir = f"/tmp/trace_{args.label}"
     try:

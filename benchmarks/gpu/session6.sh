@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
-# Planned for the next GPU session (not run yet). Before the first call:
+# GPU calls of the sixth developers' session. Before the first call:
 #   git rev-parse --short HEAD > .carry1/commit
 #
-#   call 1 (nvidia-h200, carry .carry1 .whl): stash the GGUF's first half, install gguf.
+#   call 1 (nvidia-h200, carry .carry1 .whl): stash the GGUF's first half, install gguf; then
+#          probe_small.py under XLA option variants (issue 10: Hopper's programmatic dependent
+#          launch, PDL, lets a kernel start while its predecessor drains, which is what a chain of
+#          491 ~2 us kernels pays for), and at batch 64/128 (issue 5: where a batched step's
+#          time goes; batch 128 x 512 tokens is the MagicDec self-draft's step).
 #   call 2 (carry .carry2): join the GGUF; bench_small_model with chain at gamma 4, 6 and 8
 #          (issue 10: prompt lookup accepts 2.35 at gamma 6 against 2.12 at 4,
 #          results/gamma_sweep_cpu.json; 2x autoregressive needs a 7-token verify <= 1.28 ms).
+#          XLA_FLAGS in the environment of the call, when call 1 found a better setting.
 #   call 3 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
-#          both GPUs (issue 4: which of verify, grow, re-root and handoff sets the iteration).
+#          both GPUs (issue 4), when a two-GPU machine is lent.
 #
 #   bash benchmarks/gpu/session6.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
+probe() {  # label, then probe_small arguments; XLA_FLAGS from the caller
+  timeout 120 python3 benchmarks/gpu/probe_small.py --label "$@" 2>&1 \
+    | grep -v "^W0000\|^I0000\|^E0000" | python3 -c "
+import json,sys
+t=sys.stdin.read(); i=t.find('{')
+if i < 0: print(t[-800:]); sys.exit()
+r=json.loads(t[i:t.rfind('}')+1])
+print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'), 'mean_us', r.get('mean_kernel_us'))
+print('   top', r.get('top'), r.get('trace_error',''))"
+}
 case "${1:?call 1 to 3}" in
 1)
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
   ls -la ~/gguf
+  probe default
+  XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" probe pdl_on
+  XLA_FLAGS="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" probe pdl_off
+  XLA_FLAGS="--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true" probe heroless
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" probe no_triton_gemm
+  probe b128_c512 --batch 128 --context 512 --steps 16
+  probe b64_c2048 --batch 64 --context 2048 --steps 16
+  probe b128_c2048 --batch 128 --context 2048 --steps 16
+  cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
   ;;
 2)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
