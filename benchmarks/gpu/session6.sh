@@ -7,14 +7,18 @@
 #          launch, PDL, lets a kernel start while its predecessor drains, which is what a chain of
 #          491 ~2 us kernels pays for), and at batch 64/128 (issue 5: where a batched step's
 #          time goes; batch 128 x 512 tokens is the MagicDec self-draft's step).
-#   call 2 (carry .carry2): join the GGUF; bench_small_model with chain at gamma 4, 6 and 8
+#          (Run at 0b1da63. The machine went back before the next call, so call 2 stashes again.)
+#   call 2 (nvidia-h200, carry .carry1 .whl): the stash of call 1, then tune_attention.py: the
+#          decode-attention kernel's tiling for SmolLM2's heads at batch 1-128.
+#   call 3 (carry .carry2): join the GGUF; bench_small_model with chain at gamma 4, 6 and 8
 #          (issue 10: prompt lookup accepts 2.35 at gamma 6 against 2.12 at 4,
 #          results/gamma_sweep_cpu.json; 2x autoregressive needs a 7-token verify <= 1.28 ms).
-#          XLA_FLAGS in the environment of the call, when call 1 found a better setting.
-#   call 3 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
+#   call 4 (no carry, right after 3): bench_magicdec, self-streaming and the distilled draft, with
+#          MagicDec's own throughput measure beside the fixed-length one (issue 5).
+#   call 5 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
 #          both GPUs (issue 4), when a two-GPU machine is lent.
 #
-#   bash benchmarks/gpu/session6.sh 1|2|3
+#   bash benchmarks/gpu/session6.sh 1|2|3|4|5
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; XLA_FLAGS from the caller
@@ -27,12 +31,15 @@ r=json.loads(t[i:t.rfind('}')+1])
 print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'), 'mean_us', r.get('mean_kernel_us'))
 print('   top', r.get('top'), r.get('trace_error',''))"
 }
-case "${1:?call 1 to 3}" in
-1)
+stash() {
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
   ls -la ~/gguf
+}
+case "${1:?call 1 to 5}" in
+1)
+  stash
   probe default
   XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" probe pdl_on
   XLA_FLAGS="--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false" probe pdl_off
@@ -44,6 +51,10 @@ case "${1:?call 1 to 3}" in
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
   ;;
 2)
+  stash
+  timeout 500 python3 benchmarks/gpu/tune_attention.py 2>&1 | grep -v "^W0000\|^I0000\|^E0000"
+  ;;
+3)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
   echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
@@ -51,7 +62,14 @@ case "${1:?call 1 to 3}" in
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 6,8 \
     --out "$OUT/small_model.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
   ;;
-3)
+4)
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  D=checkpoints/drafts/smollm2-135m-instruct-draft
+  timeout 560 python3 benchmarks/bench_magicdec.py --batches 1,128,64,32,8 \
+    --drafts "self-streaming,distilled=$D" --gammas 2,3,4 --budget-s 400 \
+    --out "$OUT/magicdec.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -40
+  ;;
+5)
   timeout 560 python3 benchmarks/bench_swiftspec_2gpu.py --trace /tmp/sstrace \
     --out "$OUT/swiftspec_2gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
   ;;
