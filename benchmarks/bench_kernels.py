@@ -172,7 +172,7 @@ def main() -> None:
             if t > 1:
                 for bm in (16, 32, 128):
                     impls[f"ours_bm{bm}_w8"] = ours(block_m=bm, num_warps=8)
-        p = plan(b, s, kh, t * (h // kh))
+        p = plan(b, s, kh, t * (h // kh), head_dim=hd)
         for name, fn in impls.items():
             row = dict(impl=name, B=b, S=s, T=t, H=h, KH=kh, hd=hd, dtype=str(jnp.dtype(dtype)))
             try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from jaxspec.attention import attend
 
 # Streaming-multiprocessor count of the target GPU (H100/H200: 132); only sizes k_splits.
 NUM_SMS = 132
+# Tiling overrides for A/B runs on a GPU (unset: the defaults of ``plan``).
+_ENV_BLOCK_K = os.environ.get("JAXSPEC_ATTN_BLOCK_K")
+_ENV_STAGES = os.environ.get("JAXSPEC_ATTN_STAGES")
 # Finite "minus infinity" for running maxima, so a fully masked tile gives exp(-inf - m) = 0
 # rather than NaN.
 _NEG = -1e30
@@ -182,14 +186,18 @@ def plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split: int = 256,
+    head_dim: int = 128,
 ) -> dict:
     """Static tiling: row padding, row tile, KV block, number and length of prefix splits, Triton
-    warps and pipeline stages. Defaults were picked on an H200 (Llama-3-8B heads, bf16): 64-slot
-    KV blocks, 4 warps, 2 stages for decode-sized tiles and 3 once a row tile has 64 rows."""
+    warps and pipeline stages. Defaults were picked on an H200 (bf16): KV blocks of 8192
+    elements (64 slots of Llama-3-8B's 128-wide heads, 128 of SmolLM2's 64-wide ones), 4 warps,
+    2 stages for decode-sized tiles and 3 once a row tile has 64 rows or a KV block 128 slots.
+    ``JAXSPEC_ATTN_BLOCK_K`` / ``JAXSPEC_ATTN_STAGES`` override the defaults (A/B runs)."""
     m_pad = max(16, _next_pow2(rows))
     block_m = min(m_pad, block_m or 64)
     m_tiles = m_pad // block_m
-    block_k = block_k or 64
+    default_k = int(_ENV_BLOCK_K) if _ENV_BLOCK_K else max(16, min(128, 8192 // head_dim))
+    block_k = block_k or default_k
     for name, x in (("block_k", block_k), ("block_m", block_m)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name}={x} must be a power of two >= 16")
@@ -207,7 +215,8 @@ def plan(
         split_len=split_len,
         k_splits=k_splits,
         num_warps=num_warps or 4,
-        num_stages=num_stages or (3 if block_m >= 64 else 2),
+        num_stages=num_stages
+        or (int(_ENV_STAGES) if _ENV_STAGES else 3 if block_m >= 64 or block_k >= 128 else 2),
     )
 
 
@@ -253,6 +262,7 @@ def decode_attention_partials(
         s,
         kh,
         rows,
+        head_dim=hd,
         k_splits=k_splits,
         block_k=block_k,
         block_m=block_m,

@@ -15,10 +15,14 @@
 #          results/gamma_sweep_cpu.json; 2x autoregressive needs a 7-token verify <= 1.28 ms).
 #   call 4 (no carry, right after 3): bench_magicdec, self-streaming and the distilled draft, with
 #          MagicDec's own throughput measure beside the fixed-length one (issue 5).
-#   call 5 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
+#   call 5 (nvidia-h200): the kernel's new default tiling for 64-wide heads (128-slot KV blocks, 3
+#          stages; tune_attention.py of call 2) against the old one (JAXSPEC_ATTN_BLOCK_K=64
+#          JAXSPEC_ATTN_STAGES=2) inside the real step (probe_small), and the kernel against the
+#          float32 reference at SmolLM2's heads on the GPU.
+#   call 6 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
 #          both GPUs (issue 4), when a two-GPU machine is lent.
 #
-#   bash benchmarks/gpu/session6.sh 1|2|3|4|5
+#   bash benchmarks/gpu/session6.sh 1|2|3|4|5|6
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; XLA_FLAGS from the caller
@@ -37,7 +41,7 @@ stash() {
     --target ~/site .whl/*.whl
   ls -la ~/gguf
 }
-case "${1:?call 1 to 5}" in
+case "${1:?call 1 to 6}" in
 1)
   stash
   probe default
@@ -70,6 +74,30 @@ case "${1:?call 1 to 5}" in
     --out "$OUT/magicdec.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -40
   ;;
 5)
+  python3 - <<'PY'
+import jax, jax.numpy as jnp
+from pallas_kernels.decode_attention import decode_attention, plan
+from jaxspec.attention import attend
+for b, s, t in ((1, 1000, 1), (1, 4000, 1), (128, 500, 1), (8, 2000, 7), (4, 333, 1)):
+    ks = jax.random.split(jax.random.key(b * s + t), 3)
+    q = jax.random.normal(ks[0], (b, t, 9, 64), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, s + 24, 3, 64), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, s + 24, 3, 64), jnp.bfloat16)
+    length = jnp.full((b,), s, jnp.int32) - jnp.arange(b, dtype=jnp.int32) % 7
+    bm = jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0)
+    got = decode_attention(q, k, v, length, bm).astype(jnp.float32)
+    want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), length, bm)
+    err = float(jnp.max(jnp.abs(got - want)))
+    print("check", b, s, t, plan(b, s + 24, 3, t * 3, head_dim=64)["block_k"], "max err", err)
+    assert err < 0.05, err
+PY
+  for c in "1 1024" "1 4096" "128 512" "64 2048" "128 2048"; do
+    set -- $c
+    probe "new_b$1_c$2" --batch "$1" --context "$2" --steps 32
+    JAXSPEC_ATTN_BLOCK_K=64 JAXSPEC_ATTN_STAGES=2 probe "old_b$1_c$2" --batch "$1" --context "$2" --steps 32
+  done
+  ;;
+6)
   timeout 560 python3 benchmarks/bench_swiftspec_2gpu.py --trace /tmp/sstrace \
     --out "$OUT/swiftspec_2gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
   ;;

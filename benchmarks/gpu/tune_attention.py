@@ -51,12 +51,12 @@ def main():
     for case in args.cases.split(","):
         b, s = map(int, case.split(":"))
         cap = s + 16
-        default = plan(b, cap, KH, 3)
+        default = plan(b, cap, KH, 3, head_dim=HD)
         results = {"default": time_config(b, s, {})}
         for min_split, block_k in itertools.product((32, 64, 128, 256, 512), (32, 64, 128)):
             if block_k > min_split:
                 continue
-            ksp = plan(b, cap, KH, 3, block_k=block_k, min_split=min_split)["k_splits"]
+            ksp = plan(b, cap, KH, 3, block_k=block_k, min_split=min_split, head_dim=HD)["k_splits"]
             cfg = dict(k_splits=ksp, block_k=block_k)
             results[json.dumps(cfg)] = time_config(b, s, cfg)
         best = min((k for k in results if k != "default"), key=results.get)
