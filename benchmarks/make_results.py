@@ -50,6 +50,7 @@ ORDER = [
     "bench_h200",
     "bench_h200_peers",
     "magicdec",
+    "magicdec_f39a9f5",
     "magicdec_distilled",
     "magicdec_8b",
     "swiftspec_2gpu",

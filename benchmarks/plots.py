@@ -31,7 +31,7 @@ PLOTS = HERE / "plots"
 @dataclasses.dataclass(frozen=True)
 class Plan:
     file: str  # PNG file name under the plots folder
-    kind: str  # "tokens_per_s" | "acceptance" | "speedup"
+    kind: str  # "tokens_per_s" | "acceptance" | "speedup" | "throughput"
     caption: str
     section: str | None = None  # key of a per-device section (e.g. distill.json's "cpu")
 
@@ -109,6 +109,14 @@ def plans(name: str, data: dict, section: str | None = None) -> list[Plan]:
                 f"{name}_speedup.png", "speedup", "speedup over autoregressive by batch and prefix"
             )
         )
+        if all("throughput_speedup" in r for r in srows):
+            out.append(
+                Plan(
+                    f"{name}_throughput.png",
+                    "throughput",
+                    "throughput speedup (MagicDec's measure) by batch and prefix",
+                )
+            )
     return out
 
 
@@ -149,9 +157,9 @@ def draw(plan: Plan, data: dict, path: pathlib.Path) -> None:
         ax.set_ylabel("prompts")
         ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.legend(fontsize=8)
-    elif plan.kind == "speedup":
+    elif plan.kind in ("speedup", "throughput"):
         rows = data["rows"]
-        key = speedup_key(rows)
+        key = speedup_key(rows) if plan.kind == "speedup" else "throughput_speedup"
         best: dict[tuple, dict[int, float]] = {}
         for r in rows:
             line = (r["prefix"], r.get("draft", ""))

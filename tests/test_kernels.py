@@ -230,3 +230,22 @@ def test_kernel_runs_per_device_under_tensor_parallelism():
     got = fn(*args)
     assert got.sharding.spec[2] == "tp"
     check(got, clean, jnp.float32)
+
+
+def test_default_tiling_keeps_kv_blocks_of_8192_elements(monkeypatch):
+    # 64-wide heads (SmolLM2) get 128-slot blocks and 3 stages, 128-wide (Llama-3-8B) 64 and 2
+    small, wide = plan(1, 1100, 3, 3, head_dim=64), plan(1, 4100, 8, 4, head_dim=128)
+    assert (small["block_k"], small["num_stages"]) == (128, 3)
+    assert (wide["block_k"], wide["num_stages"]) == (64, 2)
+    assert plan(1, 4100, 8, 64, head_dim=128)["num_stages"] == 3  # a 64-row tile
+    for p in (small, wide):  # splits are whole blocks and cover the cache
+        assert p["split_len"] % p["block_k"] == 0
+    assert small["split_len"] * small["k_splits"] >= 1100
+    # the A/B overrides win over the defaults, explicit arguments over both
+    import pallas_kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "_ENV_BLOCK_K", "32")
+    monkeypatch.setattr(da, "_ENV_STAGES", "1")
+    p = plan(1, 1100, 3, 3, head_dim=64)
+    assert (p["block_k"], p["num_stages"]) == (32, 1)
+    assert plan(1, 1100, 3, 3, head_dim=64, block_k=16, num_stages=2)["block_k"] == 16

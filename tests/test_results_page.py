@@ -267,12 +267,15 @@ def test_check_mode_fails_on_a_stale_page(folders):
 
 def test_plots_are_drawn_from_the_jsons(tmp_path):
     files = []
+    throughput = {"rows": [dict(r, throughput_speedup=1.2) for r in MAGICDEC["rows"]]}
     cases = (("bench_cpu", BENCH), ("magicdec", MAGICDEC), ("m8", MAGICDEC_8B), ("zz", UNKNOWN))
+    cases += (("md2", throughput),)
     for name, data in cases:
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(data))
     assert [p.kind for p in plots.plans("bench_cpu", BENCH)] == ["tokens_per_s", "acceptance"]
     assert [p.kind for p in plots.plans("magicdec", MAGICDEC)] == ["speedup"]
+    assert [p.kind for p in plots.plans("md2", throughput)] == ["speedup", "throughput"]
     assert plots.plans("zz", UNKNOWN) == []
     # the acceptance histogram shows speculative rows only; the speedup plot the best gamma
     assert [r["method"] for r in plots.method_rows(BENCH) if plots.speculative(r)] == ["chain"]
@@ -282,6 +285,8 @@ def test_plots_are_drawn_from_the_jsons(tmp_path):
         "bench_cpu_tokens_per_s.png",
         "m8_speedup.png",
         "magicdec_speedup.png",
+        "md2_speedup.png",
+        "md2_throughput.png",
     ]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
