@@ -71,6 +71,7 @@ def traced(trace_dir: str, target, prompts, draft, common: dict) -> dict:
         },
         # module spans from the middle of the run: ~4 modules per iteration over both GPUs
         "timeline": trace_gaps.timeline(devices, skip=2 * steps, n=40),
+        "kernel_stat_names": trace_gaps.STAT_NAMES,
     }
 
 
@@ -110,6 +111,8 @@ def main():
     # the engine's default (no refill on the critical path, extra expansions only while the
     # draft is idle and one fits), then the variants that put draft work back on that path
     variants = {"default": {}, f"refill_{d}": {"refill": d}}
+    if d > 1:  # fewer expansions per verify: are the grows on the critical path?
+        variants[f"depth_{d - 1}"] = {"depth": d - 1}
     runs = {}
     for name, opts in variants.items():
         for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
@@ -120,8 +123,7 @@ def main():
                 method="swiftspec",
                 target_devices=1,
                 draft_devices=1,
-                **opts,
-                **common,
+                **{**common, **opts},
             )
         runs[name] = r
         print(name, round(r.stats["wall_s"] / r.stats["verify_steps"] * 1e3, 3), "ms", flush=True)

@@ -13,11 +13,16 @@ import collections
 import glob
 
 Event = tuple[int, int, str]  # (start ns, duration ns, name)
+STAT_NAMES: list[str] = []  # the stats of the first kernel event ``device_events`` read
 
 
 def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
     """Per GPU plane of the newest trace under ``trace_dir``: its XLA module spans
-    (``"modules"``, the "XLA Modules" line) and kernels (``"kernels"``, the stream lines)."""
+    (``"modules"``) and kernels (``"kernels"``, the stream lines).
+
+    The module spans come from the plane's "XLA Modules" line where the trace has one; jax
+    0.11.2's GPU traces have none (seen on two H200s), so they are otherwise rebuilt from each
+    kernel's ``hlo_module`` stat (``spans_from_kernels``)."""
     from jax.profiler import ProfileData
 
     paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
@@ -28,15 +33,49 @@ def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
         if not plane.name.startswith("/device:GPU"):
             continue
         dev = out.setdefault(plane.name, {"modules": [], "kernels": []})
+        tagged: list[Event] = []
         for line in plane.lines:
-            kind = "modules" if line.name == "XLA Modules" else None
-            kind = kind or ("kernels" if "Stream" in line.name else None)
-            if kind:
-                dev[kind] += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+            if line.name == "XLA Modules":
+                dev["modules"] += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+            elif "Stream" in line.name:
+                for ev in line.events:
+                    dev["kernels"].append((ev.start_ns, ev.duration_ns, ev.name))
+                    if not STAT_NAMES:  # what a kernel event carries (diagnosis)
+                        STAT_NAMES.extend(str(k) for k, _ in _stats(ev))
+                    module = _stat(ev, "hlo_module")
+                    if module is not None:
+                        tagged.append((ev.start_ns, ev.duration_ns, str(module)))
+        if not dev["modules"]:
+            dev["modules"] = spans_from_kernels(tagged)
     for dev in out.values():
         dev["modules"].sort()
         dev["kernels"].sort()
     return out
+
+
+def _stats(event) -> list:
+    try:
+        return list(event.stats)
+    except (TypeError, ValueError):
+        return []
+
+
+def _stat(event, name: str):
+    return dict(_stats(event)).get(name)
+
+
+def spans_from_kernels(kernels: list[Event]) -> list[Event]:
+    """Module spans from kernels tagged with their module (``name`` = the module's): each run of
+    consecutive kernels of one module is one span, from its first kernel's start to its last's
+    end."""
+    spans: list[list] = []
+    for start, dur, module in sorted(kernels):
+        end = start + dur
+        if spans and spans[-1][2] == module:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end, module])
+    return [(a, b - a, m) for a, b, m in spans]
 
 
 def busy_intervals(events: list[Event]) -> list[tuple[int, int]]:

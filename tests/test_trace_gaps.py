@@ -45,3 +45,19 @@ def test_timeline_orders_both_devices():
     ]
     assert tg.timeline(devices, skip=1, n=1) == [[0, "target_verify", 0.0, 6.0]]
     assert tg.device_events("/nonexistent-trace-dir") == {}
+
+
+def test_module_spans_from_tagged_kernels():
+    kernels = [
+        (5 * MS, MS, "jit_draft_grow"),
+        (0, MS, "jit_target_verify"),
+        (2 * MS, 2 * MS, "jit_target_verify"),  # same module: one span 0-4 ms
+        (7 * MS, MS, "jit_draft_grow"),  # after a gap, still one span 5-8 ms
+        (9 * MS, MS, "jit_target_verify"),  # the module again: a new span
+    ]
+    assert tg.spans_from_kernels(kernels) == [
+        (0, 4 * MS, "jit_target_verify"),
+        (5 * MS, 3 * MS, "jit_draft_grow"),
+        (9 * MS, MS, "jit_target_verify"),
+    ]
+    assert tg.spans_from_kernels([]) == []

@@ -19,7 +19,10 @@
 #          stages; tune_attention.py of call 2) against the old one (JAXSPEC_ATTN_BLOCK_K=64
 #          JAXSPEC_ATTN_STAGES=2) inside the real step (probe_small), and the kernel against the
 #          float32 reference at SmolLM2's heads on the GPU.
-#   call 6 (nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
+#   call 6 (nvidia-h200-x2): run at 3024a1d; its trace had no module spans (no "XLA Modules"
+#          line in these GPU traces). call 7: the same, spans rebuilt from the kernels' hlo_module
+#          stat, plus a depth d - 1 variant.
+#   (calls 6 and 7, nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
 #          both GPUs (issue 4), when a two-GPU machine is lent.
 #
 #   bash benchmarks/gpu/session6.sh 1|2|3|4|5|6
@@ -97,7 +100,7 @@ PY
     JAXSPEC_ATTN_BLOCK_K=64 JAXSPEC_ATTN_STAGES=2 probe "old_b$1_c$2" --batch "$1" --context "$2" --steps 32
   done
   ;;
-6)
+6|7)
   timeout 560 python3 benchmarks/bench_swiftspec_2gpu.py --trace /tmp/sstrace \
     --out "$OUT/swiftspec_2gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
   ;;
