@@ -8,6 +8,10 @@ would, then runs both engines for the same number of new tokens.
 
     python benchmarks/bench_swiftspec_2gpu.py [--new 48] [--smoke] [--trace DIR]
 
+``--loops-only D``: no profile, no variants: d = D, and the threaded loop, the on-device loop
+(``loop="device"``, swiftspec_device) and the serial tree engine, each run twice (the first
+compiles), into ``swiftspec_2gpu_loops.json``. A short call for a GPU session's last minutes.
+
 ``--trace DIR`` runs the async engine once more under ``jax.profiler.trace`` and adds ``trace``
 to the JSON (``benchmarks/trace_gaps.py``): per GPU, busy and idle milliseconds, the largest idle
 gaps with the XLA modules around them, and a timeline of module spans of both GPUs in the middle
@@ -83,6 +87,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile one more async run")
+    ap.add_argument("--loops-only", type=int, default=None, metavar="D")
     args = ap.parse_args()
     tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
@@ -93,6 +98,8 @@ def main():
         draft = new_model(dcfg, seed=1, dtype=dtype)
     prompt = np.random.RandomState(0).randint(0, tcfg.vocab_size, args.prompt).tolist()
     width, branch, bs = 8, 4, 8
+    if args.loops_only:
+        return loops_only(args, target, draft, prompt, dict(width=width, branch=branch, bs=bs))
     prof = profiler.measure(
         target, draft, prompt, (1, 1), width=width, branch=branch, bs=bs, reps=args.reps
     )
@@ -190,6 +197,48 @@ def main():
         "identical_tokens",
     ):
         print(f"{k:>22} {payload[k]}")
+
+
+def loops_only(args, target, draft, prompt, shape: dict) -> None:
+    """Threaded against on-device loop against the serial tree engine at d = --loops-only."""
+    common = dict(max_new_tokens=args.new, depth=args.loops_only, **shape)
+    one = dict(method="swiftspec", target_devices=1, draft_devices=1)
+    serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, jax.devices()[0]))
+    runs = {
+        "threads": lambda: generate(target, [prompt], draft=draft, loop="threads", **one, **common),
+        "device": lambda: generate(target, [prompt], draft=draft, loop="device", **one, **common),
+        "serial": lambda: generate(target, [prompt], draft=serial_draft, method="tree", **common),
+    }
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        r = fn()
+        steps = r.stats["verify_steps"] if name != "serial" else r.stats["target_steps"] - 1
+        out[name] = {
+            "iteration_ms": round(r.stats["wall_s"] / steps * 1e3, 3),
+            "verifications": steps,
+            "compile_s": round(r.stats.get("compile_s", 0.0), 1),
+            "tokens": r.tokens[0],
+        }
+        print(name, out[name]["iteration_ms"], "ms", flush=True)
+    payload = {
+        **metadata(),
+        "target_shape": "Llama-3-8B" if not args.smoke else "smoke",
+        "draft_shape": "Llama-3.2-1B" if not args.smoke else "smoke",
+        "weights": "random",
+        "d": args.loops_only,
+        **shape,
+        "iteration_ms": {k: v["iteration_ms"] for k, v in out.items()},
+        "verifications": {k: v["verifications"] for k, v in out.items()},
+        "device_over_serial": round(
+            out["device"]["iteration_ms"] / out["serial"]["iteration_ms"], 3
+        ),
+        "threads_over_serial": round(
+            out["threads"]["iteration_ms"] / out["serial"]["iteration_ms"], 3
+        ),
+        "identical_tokens": out["device"]["tokens"] == out["threads"]["tokens"],
+    }
+    write("swiftspec_2gpu_loops.json", payload, args.out)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,23 @@ def test_default_tiling_keeps_kv_blocks_of_8192_elements(monkeypatch):
     p = plan(1, 1100, 3, 3, head_dim=64)
     assert (p["block_k"], p["num_stages"]) == (32, 1)
     assert plan(1, 1100, 3, 3, head_dim=64, block_k=16, num_stages=2)["block_k"] == 16
+
+
+def test_kernel_inside_shard_map():
+    # SwiftSpec's on-device loop traces the model inside a shard_map (each device its own block;
+    # the kernel's custom_partitioning rule is not consulted there)
+    from jax.sharding import Mesh, PartitionSpec
+
+    poisoned, clean = make_inputs(
+        9, b=2, t=3, kh=2, g=2, s=48, n=3, lengths=[40, 7], dtype=jnp.float32
+    )
+    mesh = Mesh(jax.devices()[:2], ("w",))
+    rows = PartitionSpec("w")
+    f = jax.shard_map(
+        lambda q, k, v, ln, bm: attention(q, k, v, ln, bm, impl="pallas_interpret"),
+        mesh=mesh,
+        in_specs=rows,
+        out_specs=rows,
+        check_vma=False,
+    )
+    check(jax.jit(f)(*poisoned), clean, jnp.float32)

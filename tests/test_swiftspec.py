@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.engines import swiftspec
-from jaxspec.errors import DeviceError, WorkerError
+from jaxspec.errors import DeviceError, OptionError, WorkerError
 from jaxspec.generate import generate
 from jaxspec.kv_cache import causal_block, init_cache
 from jaxspec.model import apply
@@ -221,6 +221,51 @@ def test_swiftspec_says_what_to_do_with_bad_layouts(monkeypatch):
         generate(target, ps, draft=target, method="swiftspec")
 
 
+def test_device_loop_gives_the_threaded_loops_tokens_and_acceptance():
+    """loop="device" (the iteration as one program over both devices, handoffs by ppermute):
+    tokens equal autoregressive decoding's, and each verification accepts what the threaded
+    loop's does (same snapshots: d expansions per verification in both)."""
+    for seed in range(3):
+        target, ps = target_and_prompts(seed)
+        ref = generate(target, ps, max_new_tokens=NEW).tokens
+        for draft in (tiny.model(700 + seed, **CHANGES), tiny.perturbed(target, 0.3, seed)):
+            rs = {
+                loop: generate(
+                    target,
+                    ps,
+                    draft=draft,
+                    method="swiftspec",
+                    max_new_tokens=NEW,
+                    target_devices=1,
+                    draft_devices=1,
+                    loop=loop,
+                    **SHAPE,
+                )  # fmt: skip
+                for loop in ("threads", "device")
+            }
+            dev, thr = rs["device"], rs["threads"]
+            assert dev.tokens == ref, seed
+            assert dev.stats["loop"] == "device" and dev.stats["tokens_recomputed"] == 0
+            for key in ("verify_steps", "acceptance_length"):
+                assert dev.stats[key] == thr.stats[key], (seed, key)
+            # d expansions beside every verification, counted from the loop's trip count
+            d, steps = SHAPE["depth"], dev.stats["verify_steps"]
+            assert dev.stats["expansions_in_flight"] == d * steps
+            assert dev.stats["draft_expansions"] == d * (steps + 1)  # + the first snapshot's
+
+
+def test_device_loop_says_what_it_does_not_take():
+    target, ps = target_and_prompts(5)
+    draft = tiny.model(705, **CHANGES)
+    base = dict(draft=draft, method="swiftspec", max_new_tokens=4, **SHAPE)
+    with pytest.raises(OptionError, match="one device per worker"):
+        generate(target, ps, target_devices=2, draft_devices=1, loop="device", **base)
+    with pytest.raises(OptionError, match="max_extra"):
+        generate(target, ps, target_devices=1, draft_devices=1, loop="device", max_extra=2, **base)
+    with pytest.raises(OptionError, match="loop must be one of"):
+        generate(target, ps, target_devices=1, draft_devices=1, loop="gpu", **base)
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     import jaxspec
@@ -230,8 +275,10 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 1), (3, 1)])  # SmolLM2: 9 heads, 3 kv heads
-def test_swiftspec_greedy_equals_autoregressive_on_real_smollm2(smollm2, layout):
+@pytest.mark.parametrize(
+    "layout, loop", [((1, 1), "threads"), ((3, 1), "threads"), ((1, 1), "device")]
+)  # SmolLM2: 9 heads, 3 kv heads
+def test_swiftspec_greedy_equals_autoregressive_on_real_smollm2(smollm2, layout, loop):
     from benchmarks.common import humaneval_prompts
 
     prompts = [smollm2.tokenizer.encode(p)[-40:] for p in humaneval_prompts(2)]
@@ -250,6 +297,7 @@ def test_swiftspec_greedy_equals_autoregressive_on_real_smollm2(smollm2, layout)
         bs=6,
         budget=32,
         sinks=4,
+        loop=loop,
     )
     assert r.tokens == ref
     assert r.stats["acceptance_length"] > 1.0

@@ -279,7 +279,9 @@ OPTIONS = (
     "max_extra",
     "refill",
     "observe",
+    "loop",
 )
+LOOPS = ("threads", "device")
 
 
 def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
@@ -287,6 +289,14 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     observe = options.pop("observe", None)  # test hook: called with (target, draft) states
     max_extra = _count("max_extra", options.pop("max_extra", 0))
     refill = _count("refill", options.pop("refill", 0))
+    loop_kind = options.pop("loop", "threads")
+    if loop_kind not in LOOPS:
+        raise OptionError(f"loop must be one of {', '.join(map(repr, LOOPS))}, got {loop_kind!r}.")
+    if loop_kind == "device" and (max_extra or refill or observe is not None):
+        raise OptionError(
+            "loop='device' runs a fixed d expansions per verification on the device: it takes "
+            "no max_extra, refill or observe; use loop='threads' for those."
+        )
     width = positive_int("width", options.pop("width", 8), maximum=64)
     branch = positive_int("branch", options.pop("branch", 4), maximum=16)
     bs = positive_int("bs", options.pop("bs", 8), maximum=128)
@@ -316,6 +326,11 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
                 target, draft, prompts[0], (len(tdev), len(ddev)), width=width, branch=branch, bs=bs
             )
     d = positive_int("depth", depth if depth is not None else profiled.d, maximum=32)
+    if loop_kind == "device" and (len(tdev), len(ddev)) != (1, 1):
+        raise OptionError(
+            f"loop='device' runs one device per worker; this layout has {len(tdev)} + "
+            f"{len(ddev)}. Pass target_devices=1, draft_devices=1, or use loop='threads'."
+        )
     # room for the levels a snapshot's tree holds (d) plus the d grown while it is verified,
     # plus the extra expansions: a full tree cannot grow during the verify
     shape = TreeShape(depth=2 * d + max_extra, width=width, branch=branch, bs=bs)
@@ -373,31 +388,19 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
         stats["draft_expansions"] += d
         snap, flat = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
-        loop = _Loop(
-            stats=stats,
-            verify=(
-                target_verify,
-                dict(
-                    ptree=tptree,
-                    graphdef=target.graphdef,
-                    sampling=sampling,
-                    eos=eos,
-                    layout=spec(snap),
-                ),
-            ),
-            grow=(draft_grow, tree_kw),
-            next=(draft_next, dict(bs=shape.bs, limit=refill, **tree_kw)),
-            tflat=tflat,
-            dflat=dflat,
-            on_t=on_t,
-            on_d=on_d,
-            d=d,
-            bs=shape.bs,
-            max_extra=max_extra,
-            pace=pace,
-            observe=observe,
+        verify_kw = dict(
+            ptree=tptree, graphdef=target.graphdef, sampling=sampling, eos=eos, layout=spec(snap)
         )
-        ts, ds = loop.run(ts, ds, snap, flat)
+        if loop_kind == "device":
+            ts, ds = _device_loop(
+                stats, tdev[0], ddev[0], tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw,
+                grow_kw=tree_kw, next_kw=dict(bs=shape.bs, limit=0, **tree_kw), d=d,
+            )  # fmt: skip
+        else:
+            ts, ds = _threaded_loop(
+                stats, ts, ds, snap, flat, verify_kw, tree_kw, shape, refill, tflat, dflat, on_t,
+                on_d, d, max_extra, pace, observe,
+            )  # fmt: skip
         out, count = np.asarray(ts.out), np.asarray(ts.count)
     except WorkerError:
         raise
@@ -422,8 +425,56 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         bs=shape.bs,
         width=shape.width,
         branch=shape.branch,
+        loop=loop_kind,
     )
     return out, count, stats
+
+
+def _device_loop(stats, tdev, ddev, tflat, dflat, ts, ds, snap, flat, *, verify_kw, **kw):
+    """``loop="device"``: the whole iteration loop as one program over both devices
+    (``swiftspec_device``); compiled once per run. The compile and the copy of each worker's
+    weights to the other device (``setup_s``) are kept out of ``wall_s``, as compiles are."""
+    from jaxspec.engines import swiftspec_device
+
+    vlayout = spec(
+        jax.eval_shape(functools.partial(target_verify, **verify_kw), tflat, ts, flat)[1]
+    )
+    kw["next_kw"] = dict(kw["next_kw"], layout=vlayout)
+    with Timer() as c:
+        exe, mesh_args = swiftspec_device.compile_loop(
+            tdev, ddev, tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw, vlayout=vlayout, **kw
+        )
+    stats["compile_s"] += c.s
+    stats["setup_s"] = c.s
+    ts, ds, it = swiftspec_device.execute(exe, mesh_args)
+    stats["verify_steps"] += it
+    stats["draft_expansions"] += kw["d"] * it
+    stats["expansions_in_flight"] += kw["d"] * it  # phase 1: the d grows run beside the verify
+    stats.update(refills=[], host_laps=_Laps())
+    return ts, ds
+
+
+def _threaded_loop(
+    stats, ts, ds, snap, flat, verify_kw, tree_kw, shape, refill, tflat, dflat, on_t, on_d, d,
+    max_extra, pace, observe,
+):  # fmt: skip
+    """``loop="threads"``: one host thread per worker (``_Loop``)."""
+    loop = _Loop(
+        stats=stats,
+        verify=(target_verify, verify_kw),
+        grow=(draft_grow, tree_kw),
+        next=(draft_next, dict(bs=shape.bs, limit=refill, **tree_kw)),
+        tflat=tflat,
+        dflat=dflat,
+        on_t=on_t,
+        on_d=on_d,
+        d=d,
+        bs=shape.bs,
+        max_extra=max_extra,
+        pace=pace,
+        observe=observe,
+    )
+    return loop.run(ts, ds, snap, flat)
 
 
 def _worker(stats: dict, exes: dict, name: str, fn, *args, **kwargs):

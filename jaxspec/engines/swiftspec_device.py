@@ -1,0 +1,108 @@
+"""SwiftSpec's iteration as one XLA program over both devices (``loop="device"``, 1 + 1 layouts).
+
+The threaded loop (``swiftspec._Loop``) hands every verdict and snapshot through the host: on two
+H200s about 3 ms of an 8.6 ms iteration passed with the target's GPU idle, in thread wake-ups,
+dispatches that wait on cross-device copies, and the draft's host sync
+(benchmarks/notes/swiftspec_2gpu.md). Here the same pieces run in one ``shard_map`` over a mesh of
+the target's device and the draft's, inside one ``lax.while_loop``, and the handoffs are
+``ppermute``s (device to device, no host):
+
+    phase 1   device 0: verify snapshot n               device 1: grow the tree d times
+    handoff   verdict n: device 0 -> device 1
+    phase 2   device 0: (waits)                         device 1: re-root on verdict n,
+                                                                  take snapshot n + 1
+    handoff   snapshot n + 1: device 1 -> device 0
+
+Each device runs its own branch of a ``lax.cond`` on its mesh index, so the verify and the d
+expansions of phase 1 run at the same time on different devices, as in the threaded loop; only
+the re-root and snapshot (short) and the two copies sit between verifications. The functions are
+the threaded loop's own (``target_verify``, ``draft_grow``, ``draft_next``), so the tokens are
+the same; both devices hold both states (each updates only its own), and the loop ends on the
+verdict's ``done``, which both devices see.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxspec.engines import swiftspec as S
+
+AXIS = "w"
+
+
+def _raw(fn):
+    """The Python function under a ``jax.jit`` (traced inline in the loop's program)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def make_loop(mesh: Mesh, *, verify_kw: dict, grow_kw: dict, next_kw: dict, d: int, vlayout):
+    """The jitted loop: ``(tflat, dflat, ts, ds, snap, flat) -> (ts, ds, iterations)``, every
+    argument replicated on ``mesh`` (target device first, draft device second)."""
+    verify, grow, after = _raw(S.target_verify), _raw(S.draft_grow), _raw(S.draft_next)
+    vsize = sum(int(jnp.prod(jnp.array(shape))) for shape, _ in vlayout[1])
+
+    def per_device(tflat, dflat, ts, ds, snap, flat):
+        me = jax.lax.axis_index(AXIS)
+
+        def body(c):
+            ts, ds, snap, flat, _, it = c
+
+            def target_phase(args):
+                ts, ds = args
+                ts, _, vflat = verify(tflat, ts, flat, **verify_kw)
+                return ts, ds, vflat
+
+            def draft_phase(args):
+                ts, ds = args
+                return ts, grow(dflat, ds, n=d, **grow_kw), jnp.zeros((vsize,), jnp.int32)
+
+            ts, ds, vflat = jax.lax.cond(me == 0, target_phase, draft_phase, (ts, ds))
+            vflat = jnp.where(me == 0, vflat, jax.lax.ppermute(vflat, AXIS, [(0, 1)]))
+
+            def reroot(args):
+                ds, snap = args
+                ds, snap, new, _ = after(dflat, ds, snap, vflat, **next_kw)
+                return ds, snap, new
+
+            def wait(args):
+                ds, snap = args
+                return ds, snap, jnp.zeros_like(flat)
+
+            ds, snap, new = jax.lax.cond(me == 1, reroot, wait, (ds, snap))
+            flat = jnp.where(me == 0, jax.lax.ppermute(new, AXIS, [(1, 0)]), new)
+            done = S.unpack(vflat, vlayout).done
+            return ts, ds, snap, flat, done, it + 1
+
+        init = (ts, ds, snap, flat, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+        ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4], body, init)
+        return jax.tree.map(lambda x: x[None], (ts, ds, it))
+
+    mapped = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=PartitionSpec(),
+        out_specs=PartitionSpec(AXIS),
+        check_vma=False,
+    )
+    return jax.jit(mapped)
+
+
+def compile_loop(tdev, ddev, tflat, dflat, ts, ds, snap, flat, **kw):
+    """(compiled loop, its arguments replicated on the two-device mesh) for ``execute``.
+
+    Replicated means each device also holds the other worker's weights and state (one program
+    runs on both; each touches only its own): for Llama-3-8B and 3.2-1B, 16 GB more on the
+    draft's device. The copy is made here, once per call, with the compile."""
+    mesh = Mesh([tdev, ddev], (AXIS,))
+    args = jax.device_put((tflat, dflat, ts, ds, snap, flat), NamedSharding(mesh, PartitionSpec()))
+    jax.block_until_ready(args)
+    return make_loop(mesh, **kw).lower(*args).compile(), args
+
+
+def execute(exe, args):
+    """Run the loop from the first snapshot: (target state, draft state, iterations), each
+    state taken from its own device."""
+    ts, ds, it = exe(*args)
+    return jax.tree.map(lambda x: x[0], ts), jax.tree.map(lambda x: x[1], ds), int(it[0])
