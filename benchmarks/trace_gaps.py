@@ -43,8 +43,10 @@ def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
                     if not STAT_NAMES:  # what a kernel event carries (diagnosis)
                         STAT_NAMES.extend(str(k) for k, _ in _stats(ev))
                     module = _stat(ev, "hlo_module")
-                    if module is not None:
-                        tagged.append((ev.start_ns, ev.duration_ns, str(module)))
+                    if module is not None:  # one execution apart from the next by its run_id
+                        run = _stat(ev, "run_id")
+                        tag = str(module) if run is None else f"{module}#{run}"
+                        tagged.append((ev.start_ns, ev.duration_ns, tag))
         if not dev["modules"]:
             dev["modules"] = spans_from_kernels(tagged)
     for dev in out.values():
@@ -65,9 +67,9 @@ def _stat(event, name: str):
 
 
 def spans_from_kernels(kernels: list[Event]) -> list[Event]:
-    """Module spans from kernels tagged with their module (``name`` = the module's): each run of
-    consecutive kernels of one module is one span, from its first kernel's start to its last's
-    end."""
+    """Module spans from kernels tagged with their module (``name`` = the module's, with
+    ``#run_id`` where the trace has it): each run of consecutive kernels with one tag is one span,
+    from its first kernel's start to its last's end."""
     spans: list[list] = []
     for start, dur, module in sorted(kernels):
         end = start + dur
@@ -101,8 +103,8 @@ def _module_at(modules: list[Event], t: int) -> str:
 
 
 def short(name: str) -> str:
-    """``jit_target_verify(1234)`` -> ``target_verify``."""
-    name = name.split("(")[0]
+    """``jit_target_verify(1234)`` or ``jit_target_verify#5`` -> ``target_verify``."""
+    name = name.split("(")[0].split("#")[0]
     return name[4:] if name.startswith("jit_") else name
 
 

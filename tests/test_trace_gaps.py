@@ -61,3 +61,7 @@ def test_module_spans_from_tagged_kernels():
         (9 * MS, MS, "jit_target_verify"),
     ]
     assert tg.spans_from_kernels([]) == []
+    # two executions of one module, told apart by their run ids
+    runs = [(0, MS, "jit_target_verify#1"), (2 * MS, MS, "jit_target_verify#2")]
+    assert [s[2] for s in tg.spans_from_kernels(runs)] == [r[2] for r in runs]
+    assert tg.short("jit_target_verify#2") == "target_verify"

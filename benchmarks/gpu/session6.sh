@@ -22,10 +22,13 @@
 #   call 6 (nvidia-h200-x2): run at 3024a1d; its trace had no module spans (no "XLA Modules"
 #          line in these GPU traces). call 7: the same, spans rebuilt from the kernels' hlo_module
 #          stat, plus a depth d - 1 variant.
-#   (calls 6 and 7, nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler trace of
-#          both GPUs (issue 4), when a two-GPU machine is lent.
+#   (calls 6 and 7, nvidia-h200-x2, no carry): the SwiftSpec 8B/1B iteration with a profiler
+#          trace of both GPUs (issue 4).
+#   call 8 (nvidia-h200-x2, no carry; planned, not run: the session's GPU time ran out): the
+#          on-device loop (loop="device", 305d188) against the threaded loop and the serial tree
+#          engine at d = 2.
 #
-#   bash benchmarks/gpu/session6.sh 1|2|3|4|5|6
+#   bash benchmarks/gpu/session6.sh 1|2|3|4|5|6|7|8
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; XLA_FLAGS from the caller
@@ -44,7 +47,7 @@ stash() {
     --target ~/site .whl/*.whl
   ls -la ~/gguf
 }
-case "${1:?call 1 to 6}" in
+case "${1:?call 1 to 8}" in
 1)
   stash
   probe default
@@ -103,5 +106,9 @@ PY
 6|7)
   timeout 560 python3 benchmarks/bench_swiftspec_2gpu.py --trace /tmp/sstrace \
     --out "$OUT/swiftspec_2gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
+  ;;
+8)
+  timeout 500 python3 benchmarks/bench_swiftspec_2gpu.py --loops-only 2 \
+    --out "$OUT/swiftspec_2gpu_loops.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -20
   ;;
 esac
