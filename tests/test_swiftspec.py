@@ -266,6 +266,28 @@ def test_device_loop_says_what_it_does_not_take():
         generate(target, ps, target_devices=1, draft_devices=1, loop="gpu", **base)
 
 
+def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
+    """A target that never reports done (a bug) ends in a WorkerError after max_new
+    verifications, not in a loop that spins forever."""
+    import dataclasses
+
+    real = swiftspec.target_verify.__wrapped__
+
+    def stuck(*args, **kwargs):
+        s, v, _ = real(*args, **kwargs)
+        s = dataclasses.replace(s, done=jnp.zeros_like(s.done))
+        v = dataclasses.replace(v, done=jnp.zeros_like(v.done))
+        return s, v, swiftspec.pack(v)
+
+    monkeypatch.setattr(swiftspec, "target_verify", stuck)
+    target, ps = target_and_prompts(6)
+    with pytest.raises(WorkerError, match="never said done"):
+        generate(
+            target, ps, draft=tiny.model(706, **CHANGES), method="swiftspec", max_new_tokens=6,
+            target_devices=1, draft_devices=1, loop="device", **SHAPE,
+        )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     import jaxspec

@@ -433,7 +433,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
 def _device_loop(stats, tdev, ddev, tflat, dflat, ts, ds, snap, flat, *, verify_kw, **kw):
     """``loop="device"``: the whole iteration loop as one program over both devices
     (``swiftspec_device``); compiled once per run. The compile and the copy of each worker's
-    weights to the other device (``setup_s``) are kept out of ``wall_s``, as compiles are."""
+    weights to the other device (together ``setup_s``) are kept out of ``wall_s``."""
     from jaxspec.engines import swiftspec_device
 
     vlayout = spec(
@@ -447,6 +447,11 @@ def _device_loop(stats, tdev, ddev, tflat, dflat, ts, ds, snap, flat, *, verify_
     stats["compile_s"] += c.s
     stats["setup_s"] = c.s
     ts, ds, it = swiftspec_device.execute(exe, mesh_args)
+    if not bool(np.asarray(ts.done).all()):
+        raise WorkerError(
+            f"the on-device loop stopped after {it} verifications with rows unfinished (a "
+            "verdict never said done). Both workers were stopped."
+        )
     stats["verify_steps"] += it
     stats["draft_expansions"] += kw["d"] * it
     stats["expansions_in_flight"] += kw["d"] * it  # phase 1: the d grows run beside the verify

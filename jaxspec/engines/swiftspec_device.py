@@ -75,8 +75,11 @@ def make_loop(mesh: Mesh, *, verify_kw: dict, grow_kw: dict, next_kw: dict, d: i
             done = S.unpack(vflat, vlayout).done
             return ts, ds, snap, flat, done, it + 1
 
+        # every verification emits a token per live row, so max_new of them finish any run: the
+        # bound only keeps a wrong verdict from spinning forever (nothing hangs)
+        limit = ts.out.shape[1]
         init = (ts, ds, snap, flat, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
-        ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4], body, init)
+        ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4] & (c[5] < limit), body, init)
         return jax.tree.map(lambda x: x[None], (ts, ds, it))
 
     mapped = jax.shard_map(
