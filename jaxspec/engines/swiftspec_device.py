@@ -1,8 +1,8 @@
 """SwiftSpec's iteration as one XLA program over both devices (``loop="device"``, 1 + 1 layouts).
 
-The threaded loop (``swiftspec._Loop``) hands every verdict and snapshot through the host: on two
-H200s about 3 ms of an 8.6 ms iteration passed with the target's GPU idle, in thread wake-ups,
-dispatches that wait on cross-device copies, and the draft's host sync
+The threaded loop (``swiftspec_threads.ThreadLoop``) hands every verdict and snapshot through
+the host: on two H200s about 3 ms of an 8.6 ms iteration passed with the target's GPU idle, in
+thread wake-ups, dispatches that wait on cross-device copies, and the draft's host sync
 (benchmarks/notes/swiftspec_2gpu.md). Here the same pieces run in one ``shard_map`` over a mesh of
 the target's device and the draft's, inside one ``lax.while_loop``, and the handoffs are
 ``ppermute``s (device to device, no host):
