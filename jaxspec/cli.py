@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=INT",
-        help="method option, repeatable (e.g. --option gamma=4 --option depth=3)",
+        help="method option, repeatable (e.g. --option gamma=4 --option depth=3); "
+        "swiftspec's loop takes a word (--option loop=device)",
     )
     b.add_argument(
         "--peers",
@@ -356,6 +357,9 @@ def cmd_generate(args) -> int:
     return 0
 
 
+WORD_OPTIONS = ("loop",)  # method options whose value is a word, not an integer
+
+
 def cmd_bench(args) -> int:
     import json
     import pathlib
@@ -366,6 +370,9 @@ def cmd_bench(args) -> int:
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
+        if sep and key in WORD_OPTIONS and value:  # the engine checks the word
+            options[key] = value
+            continue
         if not sep or not value.lstrip("-").isdigit():
             raise OptionError(f"--option takes KEY=INT, got {item!r}.")
         options[key] = int(value)

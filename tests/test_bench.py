@@ -268,6 +268,7 @@ def jax_version():
         (["--methods", ","], "at least one method"),
         (["--budget-s", "0"], "--budget-s"),
         (["--option", "beams=2"], "takes beams"),
+        (["--option", "loop=gpu", "--methods", "swiftspec"], "loop must be one of"),
     ],
 )
 def test_bench_bad_arguments_exit_2(ckpt, argv, says, capsys):
