@@ -254,6 +254,25 @@ def test_device_loop_gives_the_threaded_loops_tokens_and_acceptance():
             assert dev.stats["draft_expansions"] == d * (steps + 1)  # + the first snapshot's
 
 
+def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
+    from jaxspec.engines import common, swiftspec_device
+
+    target, ps = target_and_prompts(7)
+    draft = tiny.model(707, **CHANGES)
+    kw = dict(draft=draft, method="swiftspec", max_new_tokens=8, target_devices=1)
+    swiftspec_device.clear()
+    runs, kept, loops = [], [], []
+    for _ in range(2):
+        runs.append(generate(target, ps, draft_devices=1, loop="device", **kw, **SHAPE).tokens)
+        kept.append(next(iter(swiftspec_device._WEIGHTS.values()))[1])
+        loops.append({k for k in common._COMPILED if k[0] is swiftspec_device.device_loop})
+    assert runs[0] == runs[1] == generate(target, ps, max_new_tokens=8).tokens
+    assert kept[0] is kept[1]  # the second call copied no weights
+    assert loops[1] == loops[0] and loops[0]  # and compiled nothing
+    swiftspec_device.clear()
+    assert not swiftspec_device._WEIGHTS
+
+
 def test_device_loop_says_what_it_does_not_take():
     target, ps = target_and_prompts(5)
     draft = tiny.model(705, **CHANGES)

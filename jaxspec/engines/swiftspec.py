@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec import tree as T
 from jaxspec import tree_drafts
 from jaxspec.drafts import Prefill
-from jaxspec.engines.common import Timer, is_eos, prefill
+from jaxspec.engines.common import is_eos, prefill
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.engines.tree import TreeShape, verify_and_commit
 from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
@@ -343,6 +343,9 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
         **{k: options.pop(k) for k in ("budget", "sinks", "ngram") if k in options},
     )
     dr = dataclasses.replace(dr, reuse_target_cache=False)
+    # the weights as the caller holds them (placing makes new arrays): what loop="device" keys
+    # its kept copy on
+    sources = (jax.tree.leaves(target.params), jax.tree.leaves(dparams))
     tparams, tmesh = place(target.params, target.config, tdev)
     dparams, dmesh = place(dparams, dr.cfg, ddev)
     # flat leaf lists dispatch several times faster than NNX State pytrees (hot loop below)
@@ -399,6 +402,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
             ts, ds = _device_loop(
                 stats, tdev[0], ddev[0], tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw,
                 grow_kw=tree_kw, next_kw=dict(bs=shape.bs, limit=0, **tree_kw), d=d,
+                sources=sources,
             )  # fmt: skip
         else:
             ts, ds = _threaded_loop(
@@ -436,21 +440,20 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
 
 def _device_loop(stats, tdev, ddev, tflat, dflat, ts, ds, snap, flat, *, verify_kw, **kw):
     """``loop="device"``: the whole iteration loop as one program over both devices
-    (``swiftspec_device``); compiled once per run. The compile and the copy of each worker's
-    weights to the other device (together ``setup_s``) are kept out of ``wall_s``."""
+    (``swiftspec_device``). Its setup (``setup_s``: the compile, once per shape, and the copy
+    of each worker's weights to the other device, kept for the next call) is not in
+    ``wall_s``, as compiles never are."""
     from jaxspec.engines import swiftspec_device, swiftspec_threads
 
     vlayout = spec(
         jax.eval_shape(functools.partial(target_verify, **verify_kw), tflat, ts, flat)[1]
     )
     kw["next_kw"] = dict(kw["next_kw"], layout=vlayout)
-    with Timer() as c:
-        exe, mesh_args = swiftspec_device.compile_loop(
-            tdev, ddev, tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw, vlayout=vlayout, **kw
-        )
-    stats["compile_s"] += c.s
-    stats["setup_s"] = c.s
-    ts, ds, it = swiftspec_device.execute(exe, mesh_args)
+    ts, ds, it, setup_s = swiftspec_device.run(
+        tdev, ddev, tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw, vlayout=vlayout, **kw
+    )
+    stats["compile_s"] += setup_s
+    stats["setup_s"] = setup_s
     if not bool(np.asarray(ts.done).all()):
         raise WorkerError(
             f"the on-device loop stopped after {it} verifications with rows unfinished (a "

@@ -23,11 +23,16 @@ verdict's ``done``, which both devices see.
 
 from __future__ import annotations
 
+import functools
+import math
+import time
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.engines import swiftspec as S
+from jaxspec.engines.common import compiled
 
 AXIS = "w"
 
@@ -37,11 +42,16 @@ def _raw(fn):
     return getattr(fn, "__wrapped__", fn)
 
 
-def make_loop(mesh: Mesh, *, verify_kw: dict, grow_kw: dict, next_kw: dict, d: int, vlayout):
-    """The jitted loop: ``(tflat, dflat, ts, ds, snap, flat) -> (ts, ds, iterations)``, every
-    argument replicated on ``mesh`` (target device first, draft device second)."""
+@functools.partial(
+    jax.jit, static_argnames=("mesh", "verify_kw", "grow_kw", "next_kw", "d", "vlayout")
+)
+def device_loop(tflat, dflat, ts, ds, snap, flat, *, mesh, verify_kw, grow_kw, next_kw, d, vlayout):
+    """The loop: ``(tflat, dflat, ts, ds, snap, flat) -> (ts, ds, iterations)``, each stacked
+    over the two devices; every argument replicated on ``mesh`` (target device first, draft
+    device second). The ``*_kw`` are the workers' static keywords as sorted item tuples."""
+    verify_kw, grow_kw, next_kw = dict(verify_kw), dict(grow_kw), dict(next_kw)
     verify, grow, after = _raw(S.target_verify), _raw(S.draft_grow), _raw(S.draft_next)
-    vsize = sum(int(jnp.prod(jnp.array(shape))) for shape, _ in vlayout[1])
+    vsize = sum(math.prod(shape) for shape, _ in vlayout[1])
 
     def per_device(tflat, dflat, ts, ds, snap, flat):
         me = jax.lax.axis_index(AXIS)
@@ -82,30 +92,71 @@ def make_loop(mesh: Mesh, *, verify_kw: dict, grow_kw: dict, next_kw: dict, d: i
         ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4] & (c[5] < limit), body, init)
         return jax.tree.map(lambda x: x[None], (ts, ds, it))
 
-    mapped = jax.shard_map(
+    return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=PartitionSpec(),
         out_specs=PartitionSpec(AXIS),
         check_vma=False,
-    )
-    return jax.jit(mapped)
+    )(tflat, dflat, ts, ds, snap, flat)
 
 
-def compile_loop(tdev, ddev, tflat, dflat, ts, ds, snap, flat, **kw):
-    """(compiled loop, its arguments replicated on the two-device mesh) for ``execute``.
+# The weights replicated on the two-device mesh, for the next call with the same weights:
+# {key: (the caller's weight arrays, kept so that their ids stay theirs; the replicated ones)}.
+_WEIGHTS: dict = {}
 
-    Replicated means each device also holds the other worker's weights and state (one program
-    runs on both; each touches only its own): for Llama-3-8B and 3.2-1B, 16 GB more on the
-    draft's device. The copy is made here, once per call, with the compile."""
+
+def replicate_weights(mesh: Mesh, tflat: list, dflat: list, sources) -> tuple[list, list]:
+    """Both workers' weights on both devices (one program runs on both; each touches only its
+    own): for Llama-3-8B and 3.2-1B, 16 GB more on the draft's device. The copy is kept for the
+    next call whose ``sources`` (the weight arrays the caller holds, of which ``tflat`` and
+    ``dflat`` are the placed forms) are the same arrays: one entry; ``clear()`` frees it."""
+    key = (mesh, tuple(tuple(map(id, leaves)) for leaves in sources))
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        rep = jax.device_put((tflat, dflat), NamedSharding(mesh, PartitionSpec()))
+        _WEIGHTS[key] = (sources, jax.block_until_ready(rep))
+    return _WEIGHTS[key][1]
+
+
+def clear() -> None:
+    """Free the kept copy of the weights (``replicate_weights``)."""
+    _WEIGHTS.clear()
+
+
+def run(
+    tdev,
+    ddev,
+    tflat,
+    dflat,
+    ts,
+    ds,
+    snap,
+    flat,
+    *,
+    verify_kw,
+    grow_kw,
+    next_kw,
+    d,
+    vlayout,
+    sources,
+):
+    """Run the loop from the first snapshot: (target state, draft state, iterations, seconds of
+    setup: the weights' copy on a first call and the compile, once per shape)."""
     mesh = Mesh([tdev, ddev], (AXIS,))
-    args = jax.device_put((tflat, dflat, ts, ds, snap, flat), NamedSharding(mesh, PartitionSpec()))
-    jax.block_until_ready(args)
-    return make_loop(mesh, **kw).lower(*args).compile(), args
-
-
-def execute(exe, args):
-    """Run the loop from the first snapshot: (target state, draft state, iterations), each
-    state taken from its own device."""
-    ts, ds, it = exe(*args)
-    return jax.tree.map(lambda x: x[0], ts), jax.tree.map(lambda x: x[1], ds), int(it[0])
+    t0 = time.perf_counter()
+    tflat, dflat = replicate_weights(mesh, tflat, dflat, sources)
+    states = jax.device_put((ts, ds, snap, flat), NamedSharding(mesh, PartitionSpec()))
+    static = dict(
+        mesh=mesh,
+        verify_kw=tuple(sorted(verify_kw.items())),
+        grow_kw=tuple(sorted(grow_kw.items())),
+        next_kw=tuple(sorted(next_kw.items())),
+        d=d,
+        vlayout=vlayout,
+    )
+    exe, _ = compiled(device_loop, tflat, dflat, *states, **static)
+    setup_s = time.perf_counter() - t0
+    ts, ds, it = exe(tflat, dflat, *states)
+    first, second = (lambda x: x[0]), (lambda x: x[1])
+    return jax.tree.map(first, ts), jax.tree.map(second, ds), int(it[0]), setup_s
