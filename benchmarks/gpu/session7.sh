@@ -4,8 +4,8 @@
 #
 #   call 1 (nvidia-h200-x2, carry .carry1): issue 4's open question first, while two GPUs are
 #          lent: the on-device SwiftSpec loop (loop="device") against the threaded loop and the
-#          serial tree engine at d = 2 (prediction ~6.4 ms, ~0.8x serial; notes/swiftspec_2gpu.md),
-#          (the trace of the threaded loop is in swiftspec_2gpu.json).
+#          serial tree engine at d = 2 (prediction ~6.4 ms, ~0.8x serial; notes/swiftspec_2gpu.md)
+#          (the threaded loop's trace is in swiftspec_2gpu.json).
 #   call 2 (nvidia-h200, carry .carry1 .whl): stash the GGUF's first half, install gguf.
 #   call 3 (carry .carry2): join the GGUF; bench_small_model with the new decode-attention
 #          tiling (512e8c0: -6% per step at 1K in the probe), chains at gamma 4, 6 and 8.
