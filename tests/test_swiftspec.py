@@ -273,6 +273,23 @@ def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
     assert not swiftspec_device._WEIGHTS
 
 
+def test_device_loop_with_the_pallas_attention_kernel(monkeypatch):
+    """The kernel (interpreted here; compiled on a GPU) inside the loop's shard_map, cond and
+    while_loop, through its custom_partitioning wrapper: tokens still equal autoregressive."""
+    import jaxspec.model as model_module
+
+    changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
+    target = tiny.model(1, **changes)
+    ps = tiny.prompts(1, lengths=(23, 3, 11), vocab=64)
+    ref = generate(target, ps, max_new_tokens=10).tokens
+    monkeypatch.setattr(model_module, "ATTENTION_IMPL", "pallas_interpret")
+    r = generate(
+        target, ps, draft=tiny.perturbed(target, 0.3, 1), method="swiftspec", max_new_tokens=10,
+        target_devices=1, draft_devices=1, loop="device", **SHAPE,
+    )  # fmt: skip
+    assert r.tokens == ref and r.stats["acceptance_length"] > 1.0
+
+
 def test_device_loop_says_what_it_does_not_take():
     target, ps = target_and_prompts(5)
     draft = tiny.model(705, **CHANGES)
