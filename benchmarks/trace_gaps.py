@@ -92,6 +92,37 @@ def busy_intervals(events: list[Event]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
+def segments(kernels: list[Event], t0: int, t1: int, *, join_ns: int = 20_000) -> list[list]:
+    """Kernels starting in [t0, t1) as segments: kernels closer than ``join_ns`` join one. Each is
+    [start ms from t0, span ms, busy ms, kernels, the two kernel names that took most time]: a
+    launch-bound stretch shows as a long span with little busy time, a wait as a gap."""
+    groups: list[list[Event]] = []
+    end = None
+    for k in sorted(k for k in kernels if t0 <= k[0] < t1):
+        if groups and k[0] - end < join_ns:
+            groups[-1].append(k)
+            end = max(end, k[0] + k[1])
+        else:
+            groups.append([k])
+            end = k[0] + k[1]
+    rows = []
+    for ks in groups:
+        busy = busy_intervals(ks)
+        per: dict[str, int] = collections.defaultdict(int)
+        for _, dur, name in ks:
+            per[name[:48]] += dur
+        rows.append(
+            [
+                round((busy[0][0] - t0) / 1e6, 3),
+                round((busy[-1][1] - busy[0][0]) / 1e6, 3),
+                round(sum(b - a for a, b in busy) / 1e6, 3),
+                len(ks),
+                sorted(per, key=lambda n: -per[n])[:2],
+            ]
+        )
+    return rows
+
+
 def _module_at(modules: list[Event], t: int) -> str:
     """The module running at time ``t`` (or the last one to start before it)."""
     name = "-"

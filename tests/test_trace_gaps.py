@@ -65,3 +65,20 @@ def test_module_spans_from_tagged_kernels():
     runs = [(0, MS, "jit_target_verify#1"), (2 * MS, MS, "jit_target_verify#2")]
     assert [s[2] for s in tg.spans_from_kernels(runs)] == [r[2] for r in runs]
     assert tg.short("jit_target_verify#2") == "target_verify"
+
+
+def test_segments_join_close_kernels_and_split_at_gaps():
+    ms = 1_000_000
+    kernels = [
+        (0, 2 * ms, "gemm"),
+        (2 * ms + 5_000, ms, "attn"),  # 5 us after: same segment
+        (2 * ms + 10_000, ms // 2, "gemm"),  # overlaps the previous one
+        (10 * ms, ms, "sendrecv"),  # a 7 ms gap: a new segment
+        (30 * ms, ms, "late"),  # outside the window
+    ]
+    rows = tg.segments(kernels, 0, 20 * ms)
+    assert len(rows) == 2
+    start, span, busy, n, top = rows[0]
+    assert (start, n, top[0]) == (0.0, 3, "gemm")
+    assert (span, busy) == (3.005, 3.0)  # the 5 us between them is idle
+    assert rows[1][:4] == [10.0, 1.0, 1.0, 1]
