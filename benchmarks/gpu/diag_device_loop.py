@@ -102,7 +102,8 @@ def run_loop(target, draft, prompt, loop="device", d=2):
 
 def trace_part(out_dir: str) -> dict:
     target, draft, prompt = build_models()
-    return {loop: trace_loop(out_dir, target, draft, prompt, loop) for loop in ("device", "threads")}
+    loops = ("device", "threads")
+    return {loop: trace_loop(out_dir, target, draft, prompt, loop) for loop in loops}
 
 
 def trace_loop(out_dir: str, target, draft, prompt, loop: str) -> dict:
