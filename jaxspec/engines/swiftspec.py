@@ -364,52 +364,55 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
 
     run_worker = functools.partial(threads.worker, stats, {})
     pace = threads.Pace(profiled.t_verify_ms / 1e3, profiled.t_draft_ms / 1e3) if profiled else None
+    prefill_kw = dict(
+        ptree=tptree, graphdef=target.graphdef, cfg=target.config, max_new=max_new,
+        capacity=capacity, sampling=sampling, eos=eos,
+    )  # fmt: skip
+    init_kw = dict(ptree=dptree, draft=dr, capacity=capacity)
     t0 = time.perf_counter()
     try:
-        ts, first = run_worker(
-            "target",
-            target_prefill,
-            tflat,
-            jax.device_put(ids, on_t),
-            jax.device_put(lens, on_t),
-            jax.device_put(key, on_t),
-            ptree=tptree,
-            graphdef=target.graphdef,
-            cfg=target.config,
-            max_new=max_new,
-            capacity=capacity,
-            sampling=sampling,
-            eos=eos,
-        )
-        ds = run_worker(
-            "draft",
-            draft_init,
-            dflat,
-            jax.device_put(ids, on_d),
-            jax.device_put(lens, on_d),
-            jax.device_put(first, on_d),
-            ptree=dptree,
-            draft=dr,
-            capacity=capacity,
-        )
-        ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
-        stats["draft_expansions"] += d
-        snap, flat = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
-        verify_kw = dict(
-            ptree=tptree, graphdef=target.graphdef, sampling=sampling, eos=eos, layout=spec(snap)
-        )
         if loop_kind == "device":
-            ts, ds = _device_loop(
-                stats, tdev[0], ddev[0], tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw,
-                grow_kw=tree_kw, next_kw=dict(bs=shape.bs, limit=0, **tree_kw), d=d,
-                sources=sources,
+            final = _device_loop(
+                stats, tdev[0], ddev[0], tflat, dflat, ids, lens, key, prefill_kw=prefill_kw,
+                init_kw=init_kw, grow_kw=tree_kw, bs=shape.bs, d=d, sources=sources,
             )  # fmt: skip
         else:
+            ts, first = run_worker(
+                "target",
+                target_prefill,
+                tflat,
+                jax.device_put(ids, on_t),
+                jax.device_put(lens, on_t),
+                jax.device_put(key, on_t),
+                **prefill_kw,
+            )
+            ds = run_worker(
+                "draft",
+                draft_init,
+                dflat,
+                jax.device_put(ids, on_d),
+                jax.device_put(lens, on_d),
+                jax.device_put(first, on_d),
+                **init_kw,
+            )
+            ds = run_worker("draft", draft_grow, dflat, ds, n=d, **tree_kw)
+            stats["draft_expansions"] += d
+            snap, flat = run_worker("draft", draft_snapshot, ds, bs=shape.bs)
+            verify_kw = dict(
+                ptree=tptree, graphdef=target.graphdef, sampling=sampling, eos=eos,
+                layout=spec(snap),
+            )  # fmt: skip
             ts, ds = _threaded_loop(
                 stats, ts, ds, snap, flat, verify_kw, tree_kw, shape, refill, tflat, dflat, on_t,
                 on_d, d, max_extra, pace, observe,
             )  # fmt: skip
-        out, count = np.asarray(ts.out), np.asarray(ts.count)
+            final = jax.device_get(
+                dict(
+                    out=ts.out, count=ts.count, emitted=ts.emitted, live_steps=ts.live_steps,
+                    carried=ds.carried, recomputed=ds.recomputed,
+                )
+            )  # fmt: skip
+        out, count = np.asarray(final["out"]), np.asarray(final["count"])
     except WorkerError:
         raise
     except Exception as e:  # a fault in a transfer or a check: name it, never hang
@@ -417,14 +420,14 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     wall = time.perf_counter() - t0 - stats["compile_s"]
     stats["refill_expansions"] = int(sum(int(x) for x in stats.pop("refills")))
     stats["draft_expansions"] += stats["refill_expansions"]
-    live = max(int(np.asarray(ts.live_steps).sum()), 1)
+    live = max(int(final["live_steps"].sum()), 1)
     stats.update(
         wall_s=wall,
         target_steps=stats["verify_steps"] + 1,
-        nodes_carried=int(np.asarray(ds.carried).sum()),
-        tokens_recomputed=int(np.asarray(ds.recomputed).sum()),
+        nodes_carried=int(final["carried"].sum()),
+        tokens_recomputed=int(final["recomputed"].sum()),
         draft_steps=stats["draft_expansions"],
-        acceptance_length=float(np.asarray(ts.emitted).sum()) / live,
+        acceptance_length=float(final["emitted"].sum()) / live,
         profiled=dataclasses.asdict(profiled) if profiled else None,
         host_ms_per_iteration=stats.pop("host_laps").per_lap_ms(max(stats["verify_steps"], 1)),
         target_devices=len(tdev),
@@ -438,32 +441,43 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     return out, count, stats
 
 
-def _device_loop(stats, tdev, ddev, tflat, dflat, ts, ds, snap, flat, *, verify_kw, **kw):
-    """``loop="device"``: the whole iteration loop as one program over both devices
-    (``swiftspec_device``). Its setup (``setup_s``: the compile, once per shape, and the copy
-    of each worker's weights to the other device, kept for the next call) is not in
-    ``wall_s``, as compiles never are."""
+def _device_loop(stats, tdev, ddev, tflat, dflat, ids, lens, key, *, bs, d, **kw) -> dict:
+    """``loop="device"``: the whole generation as one program over both devices
+    (``swiftspec_device``), prefill included. Its setup (``setup_s``: the compile, once per
+    shape, and the copy of each worker's weights to the other device, kept for the next call)
+    is not in ``wall_s``, as compiles never are."""
     from jaxspec.engines import swiftspec_device, swiftspec_threads
 
+    pkw, ikw, gkw = kw["prefill_kw"], kw["init_kw"], kw["grow_kw"]
+    # the layouts of what crosses: a snapshot (draft -> target) and a verdict (target -> draft)
+    ts, first = jax.eval_shape(functools.partial(target_prefill, **pkw), tflat, ids, lens, key)
+    ds = jax.eval_shape(functools.partial(draft_init, **ikw), dflat, ids, lens, first)
+    snap, flat = jax.eval_shape(functools.partial(draft_snapshot, bs=bs), ds)
+    verify_kw = dict(
+        ptree=pkw["ptree"], graphdef=pkw["graphdef"], sampling=pkw["sampling"], eos=pkw["eos"],
+        layout=spec(snap),
+    )  # fmt: skip
     vlayout = spec(
         jax.eval_shape(functools.partial(target_verify, **verify_kw), tflat, ts, flat)[1]
     )
-    kw["next_kw"] = dict(kw["next_kw"], layout=vlayout)
-    ts, ds, it, setup_s = swiftspec_device.run(
-        tdev, ddev, tflat, dflat, ts, ds, snap, flat, verify_kw=verify_kw, vlayout=vlayout, **kw
-    )
+    res, setup_s = swiftspec_device.run(
+        tdev, ddev, tflat, dflat, ids, lens, key, sources=kw["sources"], prefill_kw=pkw,
+        init_kw=ikw, grow_kw=gkw, next_kw=dict(bs=bs, limit=0, layout=vlayout, **gkw),
+        verify_kw=verify_kw, bs=bs, d=d, vlayout=vlayout,
+    )  # fmt: skip
     stats["compile_s"] += setup_s
     stats["setup_s"] = setup_s
-    if not bool(np.asarray(ts.done).all()):
+    it = int(res["it"])
+    if not bool(res["done"].all()):
         raise WorkerError(
             f"the on-device loop stopped after {it} verifications with rows unfinished (a "
             "verdict never said done). Both workers were stopped."
         )
     stats["verify_steps"] += it
-    stats["draft_expansions"] += kw["d"] * it
-    stats["expansions_in_flight"] += kw["d"] * it  # phase 1: the d grows run beside the verify
+    stats["draft_expansions"] += d * (it + 1)  # + the first snapshot's
+    stats["expansions_in_flight"] += d * it  # phase 1: the d grows run beside the verify
     stats.update(refills=[], host_laps=swiftspec_threads.Laps())
-    return ts, ds
+    return res
 
 
 def _threaded_loop(
