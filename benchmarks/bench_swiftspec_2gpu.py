@@ -115,11 +115,13 @@ def main():
     print(prof, prof16, flush=True)
 
     common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
-    # the engine's default (no refill on the critical path, extra expansions only while the
-    # draft is idle and one fits), then the variants that put draft work back on that path
-    variants = {"default": {}, f"refill_{d}": {"refill": d}}
+    # the async engine with its loop on the devices (loop="device": one program over both GPUs,
+    # handoffs by ppermute), then the threaded loop (host handoffs) and its variants that put
+    # draft work back on the critical path
+    variants = {"device": {"loop": "device"}, "threads": {"loop": "threads"}}
+    variants[f"refill_{d}"] = {"refill": d, "loop": "threads"}
     if d > 1:  # fewer expansions per verify: are the grows on the critical path?
-        variants[f"depth_{d - 1}"] = {"depth": d - 1}
+        variants[f"depth_{d - 1}"] = {"depth": d - 1, "loop": "device"}
     runs = {}
     for name, opts in variants.items():
         for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
@@ -134,7 +136,7 @@ def main():
             )
         runs[name] = r
         print(name, round(r.stats["wall_s"] / r.stats["verify_steps"] * 1e3, 3), "ms", flush=True)
-    r = runs["default"]
+    r = runs["device"]
     async_ms = r.stats["wall_s"] / r.stats["verify_steps"] * 1e3
     serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, d0))
     generate(target, [prompt], draft=serial_draft, method="tree", **common)
@@ -157,7 +159,11 @@ def main():
         "t_verify_bs16_ms": round(res["t_verify_bs16_ms"], 3),
         "t_draft_ms": round(res["t_draft_ms"], 3),
         "handoff_ms": round(handoff, 3),
+        "loop": "device",
         "iteration_ms_async": round(async_ms, 3),
+        "iteration_ms_async_threads": round(
+            runs["threads"].stats["wall_s"] / runs["threads"].stats["verify_steps"] * 1e3, 3
+        ),
         "iteration_ms_serial": round(serial_ms, 3),
         "async_over_serial": round(async_ms / serial_ms, 3),
         "bound_ms": round(bound, 3),
@@ -190,6 +196,7 @@ def main():
         "handoff_ms",
         "d",
         "iteration_ms_async",
+        "iteration_ms_async_threads",
         "iteration_ms_serial",
         "async_over_serial",
         "bound_ms",
