@@ -35,16 +35,18 @@ CONFIGS = [
 ]
 
 
-# End to end (issue 4): the distilled draft (--draft) in every method, SwiftSpec on two devices.
+# End to end (issue 4): the distilled draft (--draft) and prompt lookup in every method they
+# fit, SwiftSpec on two devices with each of its loops (d from its profile).
 E2E = [
     ("autoregressive", None, {}),
     ("chain", "ngram", {"gamma": 4}),
+    ("chain", "ngram", {"gamma": 8}),
     ("chain", "distilled", {"gamma": 4}),
+    ("tree", "ngram", {"depth": 4}),
     ("tree", "distilled", {"depth": 4, "width": 8, "branch": 4, "bs": 8}),
-    ("swiftspec", "distilled", {"width": 8, "branch": 4, "bs": 8}),
-    # waits for 2 expansions when the tree is short: costs draft time on the critical path,
-    # buys acceptance (CPU, 48 tokens of one prompt: 1.69 -> 2.09 with 3)
-    ("swiftspec", "distilled", {"width": 8, "branch": 4, "bs": 8, "refill": 2}),
+    ("swiftspec", "distilled", {"width": 8, "branch": 4, "bs": 8, "loop": "threads"}),
+    # the whole loop as one program over both devices: no host between verifications
+    ("swiftspec", "distilled", {"width": 8, "branch": 4, "bs": 8, "loop": "device"}),
 ]
 DRAFTS: dict = {}
 
