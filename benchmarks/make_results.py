@@ -44,6 +44,7 @@ ORDER = [
     "distill",
     "ar_gpu",
     "small_model",
+    "small_model_1k",
     "gamma_sweep_cpu",
     "small_step_probe",
     "spec_core_gpu",
@@ -54,6 +55,8 @@ ORDER = [
     "magicdec_distilled",
     "magicdec_8b",
     "swiftspec_2gpu",
+    "swiftspec_2gpu_loops",
+    "swiftspec_2gpu_loops_d3",
     "gpu_decode",
     "kernels_h200",
 ]
@@ -71,6 +74,8 @@ TITLES = {
     "magicdec": "MagicDec: batched long-context speculation, one H200",
     "magicdec_8b": "MagicDec cost model at Llama-3.1-8B shape",
     "swiftspec_2gpu": "SwiftSpec on two H200s: 8B-shape target, 1B-shape draft",
+    "swiftspec_2gpu_loops": "SwiftSpec's two loops against the serial tree on two H200s, d = 2",
+    "swiftspec_2gpu_loops_d3": "SwiftSpec's two loops against the serial tree on two H200s, d = 3",
     "gpu_decode": "GPU decode step against the roofline",
     "kernels_h200": "Pallas decode / tree attention kernel on one H200",
 }
