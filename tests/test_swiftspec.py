@@ -290,6 +290,28 @@ def test_device_loop_with_the_pallas_attention_kernel(monkeypatch):
     assert r.tokens == ref and r.stats["acceptance_length"] > 1.0
 
 
+def test_auto_loop_runs_on_the_device_for_a_large_target_only(monkeypatch):
+    """loop="auto" (the default): the device loop for a 1 + 1 layout whose target weighs at
+    least AUTO_DEVICE_BYTES, unless an option only the threaded loop takes is given; the
+    threaded loop otherwise (tiny models here: the threshold is moved to test both sides)."""
+    target, ps = target_and_prompts(8)
+    draft = tiny.model(708, **CHANGES)
+    kw = dict(draft=draft, method="swiftspec", max_new_tokens=6, **SHAPE)
+    ref = generate(target, ps, max_new_tokens=6).tokens
+
+    def loop_of(**more):
+        r = generate(target, ps, **kw, **more)
+        assert r.tokens == ref
+        return r.stats["loop"]
+
+    assert loop_of(target_devices=1, draft_devices=1) == "threads"  # a tiny target
+    monkeypatch.setattr(swiftspec, "AUTO_DEVICE_BYTES", 0)
+    assert loop_of(target_devices=1, draft_devices=1) == "device"
+    assert loop_of(target_devices=1, draft_devices=1, refill=1) == "threads"
+    assert loop_of(target_devices=2, draft_devices=1) == "threads"
+    assert loop_of(target_devices=1, draft_devices=1, loop="threads") == "threads"
+
+
 def test_device_loop_says_what_it_does_not_take():
     target, ps = target_and_prompts(5)
     draft = tiny.model(705, **CHANGES)
@@ -315,13 +337,23 @@ def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
         v = dataclasses.replace(v, done=jnp.zeros_like(v.done))
         return s, v, swiftspec.pack(v)
 
+    from jaxspec.engines import common
+
+    def forget():  # programs compiled with the real verify (or, after, with the stuck one)
+        common._COMPILED.clear()
+        jax.clear_caches()
+
     monkeypatch.setattr(swiftspec, "target_verify", stuck)
+    forget()
     target, ps = target_and_prompts(6)
-    with pytest.raises(WorkerError, match="never said done"):
-        generate(
-            target, ps, draft=tiny.model(706, **CHANGES), method="swiftspec", max_new_tokens=6,
-            target_devices=1, draft_devices=1, loop="device", **SHAPE,
-        )  # fmt: skip
+    try:
+        with pytest.raises(WorkerError, match="never said done"):
+            generate(
+                target, ps, draft=tiny.model(706, **CHANGES), method="swiftspec",
+                max_new_tokens=6, target_devices=1, draft_devices=1, loop="device", **SHAPE,
+            )  # fmt: skip
+    finally:
+        forget()
 
 
 @pytest.fixture(scope="module")

@@ -283,7 +283,13 @@ OPTIONS = (
     "observe",
     "loop",
 )
-LOOPS = ("threads", "device")
+LOOPS = ("auto", "threads", "device")
+# loop="auto" runs loop="device" for a 1 + 1 layout whose target weighs at least this many bytes
+# (and no option only the threaded loop takes). On two H200s the device loop took 6.26 ms an
+# iteration against 8.65 threaded for a Llama-3-8B-shape target (16 GB), but SmolLM2-135M (0.27
+# GB) ran at 374 tok/s against 462 threaded (benchmarks/RESULTS.md, SwiftSpec sections): a
+# short verify cannot hide the device loop's per-iteration control flow.
+AUTO_DEVICE_BYTES = 2**30
 
 
 def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
@@ -291,7 +297,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     observe = options.pop("observe", None)  # test hook: called with (target, draft) states
     max_extra = _count("max_extra", options.pop("max_extra", 0))
     refill = _count("refill", options.pop("refill", 0))
-    loop_kind = options.pop("loop", "threads")
+    loop_kind = options.pop("loop", "auto")
     if loop_kind not in LOOPS:
         raise OptionError(f"loop must be one of {', '.join(map(repr, LOOPS))}, got {loop_kind!r}.")
     if loop_kind == "device" and (max_extra or refill or observe is not None):
@@ -333,6 +339,11 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
             f"loop='device' runs one device per worker; this layout has {len(tdev)} + "
             f"{len(ddev)}. Pass target_devices=1, draft_devices=1, or use loop='threads'."
         )
+    if loop_kind == "auto":
+        big = sum(x.nbytes for x in jax.tree.leaves(target.params)) >= AUTO_DEVICE_BYTES
+        one_each = (len(tdev), len(ddev)) == (1, 1)
+        threads_only = max_extra or refill or observe is not None
+        loop_kind = "device" if big and one_each and not threads_only else "threads"
     # room for the levels a snapshot's tree holds (d) plus the d grown while it is verified,
     # plus the extra expansions: a full tree cannot grow during the verify
     shape = TreeShape(depth=2 * d + max_extra, width=width, branch=branch, bs=bs)
