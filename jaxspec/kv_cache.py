@@ -12,6 +12,8 @@ path's K/V and advances ``length``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -43,11 +45,15 @@ class Block:
     positions:  RoPE position of each token.
     slots:      cache slot that receives each token's K/V (>= capacity: not written).
     block_mask: ``block_mask[b, t, j]``: query t may see slot ``length[b] + j``.
+    appended:   (static) token i goes to slot ``length[b] + i`` or nowhere, and block column j is
+                token j: a decode step, a chain verify, a tree verify. The fused RoPE + cache
+                write + attention kernel takes only these (``pallas_kernels/rope_attention.py``).
     """
 
     positions: Int[Array, "b t"]
     slots: Int[Array, "b t"]
     block_mask: Bool[Array, "b t n"]
+    appended: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -70,7 +76,7 @@ def causal_block(
     causal = i[None, :, None] >= i[None, None, :]
     mask = causal & real[:, None, :] & real[:, :, None]
     slots = jnp.where(real, length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
-    return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask)
+    return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True)
 
 
 def write(

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
-from pallas_kernels import fused_linear
+from pallas_kernels import fused_linear, rope_attention
 from pallas_kernels.dispatch import attention
 
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
@@ -45,6 +45,10 @@ MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
 # devices (tensor parallel: the kernels see whole weights, so the partitioner would gather them);
 # 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
 FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
+# The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) for appended
+# blocks (decode steps, chain and tree verifies): 'off' (the default until it is measured on a
+# GPU), 'pallas', 'interpret' (CPU tests). One device only: it has no partitioning rule.
+FUSED_ATTENTION = os.environ.get("JAXSPEC_FUSED_ATTENTION", "off")
 _LOCAL = threading.local()
 
 
@@ -151,13 +155,32 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
 
+    @staticmethod
+    def fused_attention(q, k, k_cache, block: Block) -> bool:
+        """Whether this step takes the fused RoPE + cache write + attention kernel."""
+        if FUSED_ATTENTION not in ("off", "pallas", "interpret"):
+            raise ValueError(
+                "JAXSPEC_FUSED_ATTENTION must be one of off, pallas, interpret; "
+                f"got {FUSED_ATTENTION!r}"
+            )
+        if FUSED_ATTENTION == "off" or not block.appended:
+            return False
+        return rope_attention.unsupported_reason(q, k, k_cache, block.block_mask) is None
+
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block):
         b, t, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
+        if self.fused_attention(q, k, k_cache, block):
+            out, k_cache, v_cache = rope_attention.rope_attention(
+                q, k, v, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
+                interpret=FUSED_ATTENTION == "interpret",
+            )  # fmt: skip
+            return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+        k = apply_rope(k, cos, sin)
         k_cache = write(k_cache, k, block.slots)
         v_cache = write(v_cache, v, block.slots)
         out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)

@@ -232,6 +232,7 @@ def verify_layout(
         positions=(root_position[:, None] + depth).astype(jnp.int32),
         slots=jnp.where(valid, root_slot[:, None] + slot_ids, NO_SLOT).astype(jnp.int32),
         block_mask=mask,
+        appended=True,
     )
     return TreeBlock(node=node, tokens=tokens, parent=parent, valid=valid, block=block)
 

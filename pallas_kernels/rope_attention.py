@@ -1,0 +1,273 @@
+"""Decode attention that also rotates the new keys and writes the new K/V into the cache.
+
+Issue 10: in a SmolLM2 decode step, five of a layer's sixteen kernels only prepare the attention
+kernel's inputs: K's RoPE, V's slot select, the two cache writes and Q's preparation
+(benchmarks/notes/small_step_probe.md). This kernel takes the new tokens' K (before RoPE) and V
+as they leave the projection, and per program:
+
+- runs the same split-K online softmax over the committed prefix ``[0, length)`` as
+  ``decode_attention`` (the prefix is read from the cache, never written);
+- in the last split, takes the block part from registers instead of the cache: the new keys,
+  rotated here (rotate-half RoPE, float32, as ``jaxspec.model.apply_rope``), and the new values;
+- in the last split of the first row tile, stores the rotated keys and the values into the
+  cache at their slots. The caches are aliased inputs/outputs, so only those rows change.
+
+It serves "appended" blocks only (``jaxspec.kv_cache.Block.appended``): token ``i`` of row ``b``
+goes to slot ``length[b] + i`` (or nowhere: a slot past the capacity), and block column ``j`` is
+token ``j``. That is a decode step, a chain verify and the target's tree verify; a draft's tree
+expansion (whose block window holds earlier nodes) takes ``decode_attention``. The queries come
+rotated (their RoPE stays in the XLA fusion that pads them for the kernel).
+
+The result equals ``reference`` (RoPE, ``kv_cache.write``, ``attention.attend``); the combine of
+the splits is ``decode_attention.combine``. Opt-in for the model: ``JAXSPEC_FUSED_ATTENTION``
+(``jaxspec/model.py``), one device only (no partitioning rule), until measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxspec.attention import attend
+from jaxspec.kv_cache import write
+from pallas_kernels import decode_attention as D
+
+
+def rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:
+    """Rotate-half RoPE in float32 (``jaxspec.model.apply_rope``'s arithmetic)."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def reference(
+    q: Float[Array, "b t h hd"],
+    k_new: Float[Array, "b t kh hd"],
+    v_new: Float[Array, "b t kh hd"],
+    cos: Float[Array, "b t half"],
+    sin: Float[Array, "b t half"],
+    k_cache: Float[Array, "b s kh hd"],
+    v_cache: Float[Array, "b s kh hd"],
+    length: Int[Array, " b"],
+    slots: Int[Array, "b t"],
+    block_mask: Bool[Array, "b t t"],
+) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
+    """The unfused path: rotate the new keys, write K/V into their slots, attend."""
+    k_cache = write(k_cache, rope(k_new, cos, sin), slots)
+    v_cache = write(v_cache, v_new, slots)
+    return attend(q, k_cache, v_cache, length, block_mask), k_cache, v_cache
+
+
+def unsupported_reason(q, k_new, k_cache, block_mask) -> str | None:
+    """Why the kernel cannot take these shapes (``None`` when it can)."""
+    t = q.shape[1]
+    if k_new.shape[1] != t or block_mask.shape[-1] != t:
+        return f"not an appended block: T={t}, K rows {k_new.shape[1]}, N={block_mask.shape[-1]}"
+    if k_new.shape[0] != q.shape[0] or k_new.shape[2:] != k_cache.shape[2:]:
+        return f"new K {k_new.shape} does not match the cache {k_cache.shape}"
+    if jnp.dtype(k_new.dtype) != jnp.dtype(k_cache.dtype):
+        return f"new K dtype {k_new.dtype} is not the cache's {k_cache.dtype}"
+    return D.unsupported_reason(q, k_cache, k_cache, block_mask)
+
+
+def _kernel(
+    len_ref,
+    slot_ref,
+    q_ref,
+    kn_ref,
+    vn_ref,
+    cos_ref,
+    sin_ref,
+    k_ref,
+    v_ref,
+    bm_ref,
+    o_ref,
+    m_ref,
+    ssum_ref,
+    ko_ref,
+    vo_ref,
+    *,
+    scale: float,
+    seq_len: int,
+    split_len: int,
+    n_splits: int,
+    block_k: int,
+    block_m: int,
+    n_rows: int,
+    n_new: int,
+    n_pad: int,
+    half: int,
+):
+    row_tile = pl.program_id(0)
+    split = pl.program_id(2)
+    length = jnp.maximum(len_ref[()], 0)
+    prefix = jnp.minimum(length, seq_len)
+    q1 = q_ref[:, pl.ds(0, half)]  # [block_m, half]: the halves RoPE pairs
+    q2 = q_ref[:, pl.ds(half, half)]
+
+    def update(carry, k1, k2, v, allowed):
+        acc, m, ssum = carry
+        s = (D._dot(q1, k1, contract_b=1) + D._dot(q2, k2, contract_b=1)) * scale
+        s = jnp.where(allowed, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        ssum = ssum * alpha + jnp.sum(p, axis=1)
+        pv = D._dot(p.astype(v.dtype), v, contract_b=0)
+        return acc * alpha[:, None] + pv, m_new, ssum
+
+    start = split * split_len
+    end = jnp.minimum(start + split_len, prefix)
+    n_iter = jnp.maximum(end - start + (block_k - 1), 0) // block_k
+
+    def body(i, carry):
+        s0 = start + i * block_k
+        ok = (s0 + jnp.arange(block_k)) < end
+        rows = ok[:, None]
+        k1 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(0, half)], mask=rows, other=0.0)
+        k2 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(half, half)], mask=rows, other=0.0)
+        v = plgpu.load(v_ref.at[pl.ds(s0, block_k), :], mask=rows, other=0.0)
+        return update(carry, k1, k2, v, ok[None, :])
+
+    carry = (
+        jnp.zeros((block_m, 2 * half), jnp.float32),
+        jnp.full((block_m,), D._NEG, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    carry = lax.fori_loop(0, n_iter, body, carry)
+
+    def block_part(carry):
+        cols = jnp.arange(n_pad)
+        real = cols < n_new
+        valid = real & (length + cols < seq_len)
+        rows = real[:, None]
+        kh1 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(0, half)], mask=rows, other=0.0)
+        kh2 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(half, half)], mask=rows, other=0.0)
+        v = plgpu.load(vn_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
+        c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
+        s = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
+        x1, x2 = kh1.astype(jnp.float32), kh2.astype(jnp.float32)
+        k1 = (x1 * c - x2 * s).astype(kh1.dtype)
+        k2 = (x2 * c + x1 * s).astype(kh1.dtype)
+        # the new rows into the cache: once per (row, KV head), by the first row tile
+        slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
+        put = (valid & (slot == length + cols) & (row_tile == 0))[:, None]
+        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
+        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
+        plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], v, mask=put)
+        allowed = (bm_ref[...] != 0) & valid[None, :]
+        return update(carry, k1, k2, v, allowed)
+
+    carry = lax.cond(split == n_splits - 1, block_part, lambda c: c, carry)
+    acc, m, ssum = carry
+    rows = row_tile * block_m + jnp.arange(block_m)
+    live = rows < n_rows
+    plgpu.store(o_ref, acc, mask=live[:, None])
+    plgpu.store(m_ref, m, mask=live)
+    plgpu.store(ssum_ref, ssum, mask=live)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(5, 6))
+def rope_attention(
+    q: Float[Array, "b t h hd"],
+    k_new: Float[Array, "b t kh hd"],
+    v_new: Float[Array, "b t kh hd"],
+    cos: Float[Array, "b t half"],
+    sin: Float[Array, "b t half"],
+    k_cache: Float[Array, "b s kh hd"],
+    v_cache: Float[Array, "b s kh hd"],
+    length: Int[Array, " b"],
+    slots: Int[Array, "b t"],
+    block_mask: Bool[Array, "b t n"],
+    *,
+    interpret: bool = False,
+) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
+    """``reference``'s result in one kernel plus the combine: (attention output, K cache, V
+    cache). ``q`` comes rotated, ``k_new`` not; the caches are donated (updated in place)."""
+    reason = unsupported_reason(q, k_new, k_cache, block_mask)
+    if reason is not None:
+        raise ValueError(f"rope_attention: {reason}")
+    b, t, h, hd = q.shape
+    _, s, kh, _ = k_cache.shape
+    g = h // kh
+    rows = t * g
+    p = D.plan(b, s, kh, rows, head_dim=hd)
+    m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
+    n_pad = max(16, D._next_pow2(t))
+    qr = q.reshape(b, t, kh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, hd)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, m_pad - rows), (0, 0)))
+    bmr = jnp.repeat(block_mask, g, axis=1)
+    bmr = jnp.pad(bmr, ((0, 0), (0, m_pad - rows), (0, n_pad - t))).astype(jnp.int8)
+    kernel = functools.partial(
+        _kernel,
+        scale=1.0 / math.sqrt(hd),
+        seq_len=s,
+        split_len=p["split_len"],
+        n_splits=n_splits,
+        block_k=p["block_k"],
+        block_m=bm,
+        n_rows=rows,
+        n_new=t,
+        n_pad=n_pad,
+        half=hd // 2,
+    )
+    kv_spec = pl.BlockSpec((None, s, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
+    new_spec = pl.BlockSpec((None, t, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
+    tab_spec = pl.BlockSpec((None, t, hd // 2), lambda i, hh, j, bb: (bb, 0, 0))
+    f32 = jnp.float32
+    acc, m, ssum, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(p["m_tiles"], kh, n_splits, b),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, hh, j, bb: (bb,)),
+            pl.BlockSpec((None, t), lambda i, hh, j, bb: (bb, 0)),
+            pl.BlockSpec((None, None, bm, hd), lambda i, hh, j, bb: (bb, hh, i, 0)),
+            new_spec,
+            new_spec,
+            tab_spec,
+            tab_spec,
+            kv_spec,
+            kv_spec,
+            pl.BlockSpec((None, bm, n_pad), lambda i, hh, j, bb: (bb, i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, bm, hd), lambda i, hh, j, bb: (bb, hh, j, i, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda i, hh, j, bb: (bb, hh, j, i)),
+            pl.BlockSpec((None, None, None, bm), lambda i, hh, j, bb: (bb, hh, j, i)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad, hd), f32),
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad), f32),
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad), f32),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={7: 3, 8: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        interpret=interpret,
+        name="jaxspec_rope_attention",
+    )(
+        length.astype(jnp.int32),
+        slots.astype(jnp.int32),
+        qr,
+        k_new,
+        v_new,
+        cos.astype(f32),
+        sin.astype(f32),
+        k_cache,
+        v_cache,
+        bmr,
+    )
+    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, q.dtype)
+    return out, k_cache, v_cache

@@ -1,0 +1,187 @@
+"""The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) against its
+unfused reference on fresh random inputs, and the model's greedy tokens with it.
+
+As in test_kernels.py: on CPU the kernel runs through the Pallas interpreter, and cache slots
+past the prefix are poisoned with NaN, so a kernel that reads the slots it writes (instead of
+the new keys it holds) or reads past the prefix fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.kv_cache import causal_block
+from jaxspec.tree import NO_SLOT
+from pallas_kernels import rope_attention as R
+from tests.test_kernels import TOL, tree_masks
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def make_inputs(seed, *, b, t, kh, g, s, hd, dtype, tree: bool, near_end: bool = False):
+    rng = np.random.default_rng(seed)
+    hi = s if near_end else s - t
+    length = rng.integers(0, max(hi, 1), b).astype(np.int32)
+    if near_end:  # some new tokens fall past the capacity: not written, not visible
+        length[0] = s - 1
+    valid = rng.integers(1, t + 1, b).astype(np.int32)
+    blk = causal_block(jnp.asarray(length), jnp.asarray(length + 5), jnp.asarray(valid), t)
+    slots, mask = np.asarray(blk.slots), np.asarray(blk.block_mask)
+    if tree:  # a tree verify's block: ancestor masks, padding slots marked NO_SLOT
+        real = np.arange(t)[None, :] < valid[:, None]
+        mask = tree_masks(rng, b, t, t, valid)
+        slots = np.where(real, length[:, None] + np.arange(t), NO_SLOT).astype(np.int32)
+    q = rng.normal(size=(b, t, kh * g, hd))
+    kn, vn = rng.normal(size=(2, b, t, kh, hd))
+    ang = rng.uniform(0, 50, (b, t, 1)) * np.linspace(1e-3, 1.0, hd // 2)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    kc, vc = rng.normal(size=(2, b, s, kh, hd))
+    past = np.arange(s)[None, :] >= length[:, None]  # not yet written: poisoned
+    k_bad, v_bad = kc.copy(), vc.copy()
+    k_bad[past], v_bad[past] = np.nan, np.nan
+    kc[past], vc[past] = 0.0, 0.0
+    arr = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    common = (arr(q), arr(kn), arr(vn), jnp.asarray(cos), jnp.asarray(sin))
+    tail = (jnp.asarray(length), jnp.asarray(slots), jnp.asarray(mask))
+    return common + (arr(k_bad), arr(v_bad)) + tail, common + (arr(kc), arr(vc)) + tail
+
+
+def copies(args):
+    """Fresh buffers: the kernel donates its caches, and ``check`` reads the originals."""
+    return [jnp.array(x) for x in args]
+
+
+def check(got, want, poisoned, dtype):
+    out, k, v = (np.asarray(x, np.float32) for x in got)
+    r_out, r_k, r_v = (np.asarray(x, np.float32) for x in want)
+    assert not np.isnan(out).any(), "NaN leaked into the output"
+    np.testing.assert_allclose(out, r_out, atol=TOL[dtype], rtol=TOL[dtype])
+    slots = np.asarray(poisoned[8])
+    for cache, ref, before in ((k, r_k, poisoned[5]), (v, r_v, poisoned[6])):
+        before = np.asarray(before, np.float32)
+        written = np.zeros(before.shape[:2], bool)
+        for row in range(before.shape[0]):
+            ok = slots[row] < before.shape[1]
+            written[row, slots[row][ok]] = True
+        # the new slots hold the reference's rotated keys / values; nothing else changed
+        np.testing.assert_allclose(cache[written], ref[written], atol=1e-6, rtol=1e-6)
+        np.testing.assert_array_equal(cache[~written], before[~written])
+
+
+@pytest.mark.parametrize(
+    "t, g, s, hd, dtype, tree",
+    [
+        (1, 3, 37, 64, jnp.float32, False),  # a SmolLM2-like decode step (3 query heads per KV)
+        (1, 4, 300, 128, jnp.bfloat16, False),
+        (5, 1, 129, 64, jnp.float32, False),  # a chain verify, ragged valid rows
+        (9, 3, 200, 64, jnp.float32, True),  # a tree verify (bs 8 + root)
+        (9, 2, 77, 128, jnp.bfloat16, True),
+    ],
+)
+def test_matches_the_unfused_path(t, g, s, hd, dtype, tree):
+    for seed in range(2):
+        poisoned, clean = make_inputs(seed, b=3, t=t, kh=2, g=g, s=s, hd=hd, dtype=dtype, tree=tree)
+        got = R.rope_attention(*copies(poisoned), interpret=INTERPRET)
+        check(got, R.reference(*clean), poisoned, dtype)
+
+
+def test_new_tokens_past_the_capacity_are_neither_written_nor_seen():
+    poisoned, clean = make_inputs(
+        3, b=2, t=4, kh=2, g=2, s=40, hd=64, dtype=jnp.float32, tree=False, near_end=True
+    )
+    got = R.rope_attention(*copies(poisoned), interpret=INTERPRET)
+    check(got, R.reference(*clean), poisoned, jnp.float32)
+
+
+def test_only_appended_blocks():
+    poisoned, _ = make_inputs(0, b=1, t=4, kh=2, g=2, s=40, hd=64, dtype=jnp.float32, tree=False)
+    q, kn, _, _, _, kc, _, _, _, mask = poisoned
+    assert R.unsupported_reason(q, kn, kc, mask) is None
+    wide = jnp.zeros(mask.shape[:2] + (8,), bool)  # a block window wider than the new tokens
+    assert "not an appended block" in R.unsupported_reason(q, kn, kc, wide)
+    with pytest.raises(ValueError, match="appended"):
+        R.rope_attention(*copies(poisoned[:9]), wide, interpret=True)
+
+
+def test_model_tokens_with_the_fused_kernel(monkeypatch):
+    """JAXSPEC_FUSED_ATTENTION=interpret: autoregressive, chain and tree decoding (decode steps,
+    chain and tree verifies all take the kernel) give the plain path's greedy tokens, float32."""
+    import jaxspec.model as model_module
+    from jaxspec.engines import common
+    from jaxspec.generate import generate
+    from tests import tiny
+
+    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
+    target = tiny.model(3, **changes)
+    ps = tiny.prompts(3, lengths=(19, 4, 11), vocab=64)
+    runs = [
+        dict(),
+        dict(method="chain", draft="ngram", gamma=3),
+        dict(method="tree", draft="ngram", depth=3),
+        dict(method="chain", draft=tiny.perturbed(target, 0.3, 3), gamma=3),
+    ]
+    plain = [generate(target, ps, max_new_tokens=12, **kw).tokens for kw in runs]
+
+    calls = []
+    real = R.rope_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])  # T of the step
+        return real(*args, **kwargs)
+
+    def forget():  # programs traced with the other setting
+        common._COMPILED.clear()
+        jax.clear_caches()
+
+    monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
+    monkeypatch.setattr(R, "rope_attention", counted)
+    forget()
+    try:
+        fused = [generate(target, ps, max_new_tokens=12, **kw).tokens for kw in runs]
+    finally:
+        forget()
+    assert fused == plain
+    assert 1 in calls and max(calls) > 1  # decode steps and verifies took it
+
+
+def test_model_logits_with_the_fused_kernel(monkeypatch):
+    """The tokens of tiny random models barely depend on attention, so the same steps are also
+    compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify."""
+    import jaxspec.model as model_module
+    from jaxspec.kv_cache import init_cache
+
+    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
+    m = tiny_model(4, changes)
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
+    steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
+
+    def run():
+        cache, out = init_cache(m.config, 2, 32, jnp.float32), []
+        fwd = jax.jit(model_module.apply, static_argnums=0)
+        for toks, at, n in steps:
+            length = jnp.full((2,), at, jnp.int32)
+            cache.length = length
+            block = causal_block(length, length, jnp.asarray([n, max(n - 1, 1)]), toks.shape[1])
+            logits, cache = fwd(m.graphdef, m.params, toks, cache, block)
+            out.append(np.asarray(logits))
+        return out, [np.asarray(x) for x in cache.k + cache.v]
+
+    plain_logits, plain_cache = run()
+    monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
+    jax.clear_caches()
+    try:
+        fused_logits, fused_cache = run()
+    finally:
+        jax.clear_caches()
+    for a, b in zip(fused_logits + fused_cache, plain_logits + plain_cache, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def tiny_model(seed, changes):
+    from tests import tiny
+
+    return tiny.model(seed, **changes)
