@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Planned for the next GPU session (not run yet). Before the first call:
+#   git rev-parse --short HEAD > .carry1/commit
+#
+#   call 1 (nvidia-h200, carry .carry1 .whl): stash the GGUF's first half, install gguf; the
+#          fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) compiled
+#          against its reference; then the SmolLM2-shape step with it and without it
+#          (JAXSPEC_FUSED_ATTENTION=pallas), kernels per step and ms (issue 10; prediction: ~120
+#          of 491 kernels fewer, ~10-20% off the 1.05 ms step, if XLA keeps the caches in place).
+#   call 2 (carry .carry2): join the GGUF; bench_small_model at 1K and 4K, with the fused
+#          kernel if call 1 showed it faster (set FUSED=pallas), else as is.
+#
+#   bash benchmarks/gpu/session8.sh 1|2
+set -u
+source benchmarks/gpu/env.sh
+probe() {  # label, then probe_small arguments; the environment from the caller
+  timeout 120 python3 benchmarks/gpu/probe_small.py --label "$@" 2>&1 \
+    | grep -v "^W0000\|^I0000\|^E0000" | python3 -c "
+import json,sys
+t=sys.stdin.read(); i=t.find('{')
+if i < 0: print(t[-800:]); sys.exit()
+r=json.loads(t[i:t.rfind('}')+1])
+print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
+print('   top', r.get('top'), r.get('trace_error',''))"
+}
+case "${1:?call 1 or 2}" in
+1)
+  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target ~/site .whl/*.whl
+  timeout 200 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
+  for c in "1 1024" "1 4096" "128 512"; do
+    set -- $c
+    probe "plain_b$1_c$2" --batch "$1" --context "$2" --steps 32
+    JAXSPEC_FUSED_ATTENTION=pallas probe "fused_b$1_c$2" --batch "$1" --context "$2" --steps 32
+  done
+  cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  ;;
+2)
+  cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
+  echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf JAXSPEC_FUSED_ATTENTION="${FUSED:-off}"
+  timeout 560 python3 benchmarks/bench_small_model.py \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
+    --out "$OUT/small_model.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
+  ;;
+esac
