@@ -55,6 +55,15 @@ def device_put_blocks(d0, d1) -> dict:
     return out
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one is a
+    prefix of the other), or None when they are equal."""
+    if a == b:
+        return None
+    parts = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(parts, min(len(a), len(b)))
+
+
 def traced(trace_dir: str, target, prompts, draft, common: dict) -> dict:
     """One more async run under the profiler: per-GPU busy/idle, largest gaps, a timeline."""
     from benchmarks import trace_gaps
@@ -182,6 +191,9 @@ def main():
                 "refill_expansions": x.stats["refill_expansions"],
                 "verify_steps": x.stats["verify_steps"],
                 "host_ms_per_iteration": x.stats["host_ms_per_iteration"],
+                # bf16 tokens against the serial engine's; where they part, at which token
+                "tokens_equal_serial": x.tokens == rs.tokens,
+                "first_difference": first_difference(x.tokens[0], rs.tokens[0]),
             }
             for name, x in runs.items()
         },
