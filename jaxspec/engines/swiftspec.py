@@ -83,6 +83,35 @@ def pack(tree) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in jax.tree.leaves(tree)])
 
 
+def pack_bits(tree) -> jax.Array:
+    """Like ``pack``, but 32-bit floats travel as their bits (``unpack_bits`` restores them
+    exactly): for a draft tree's scores."""
+
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            if jnp.dtype(x.dtype).itemsize != 4:
+                raise ValueError(f"pack_bits takes 32-bit floats, got {x.dtype}")
+            return jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
+        return jnp.ravel(x).astype(jnp.int32)
+
+    return jnp.concatenate([one(x) for x in jax.tree.leaves(tree)])
+
+
+def unpack_bits(flat: jax.Array, layout: tuple):
+    """The inverse of ``pack_bits`` for ``spec(tree)``."""
+    treedef, shapes = layout
+    leaves, at = [], 0
+    for shape, dtype in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        part = flat[at : at + size].reshape(shape)
+        if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            leaves.append(jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
+        else:
+            leaves.append(part.astype(dtype))
+        at += size
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def spec(tree) -> tuple:
     """The static layout ``unpack`` needs: (treedef, ((shape, dtype), ...)); hashable."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -184,14 +213,19 @@ def draft_grow(dflat, s, *, ptree, draft, width, branch, n):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bs",))
-def draft_snapshot(s, *, bs):
+def snapshot_of(tree: T.Tree, bs: int):
     """The best bs nodes as a verify block at root slot/position 0 (the target shifts it), and
     the same packed for the target's mesh."""
-    idx, cnt = T.select_subtree(s.tree, bs)
+    idx, cnt = T.select_subtree(tree, bs)
     zero = jnp.zeros_like(cnt)
-    snap = T.verify_layout(s.tree, idx, cnt, zero, zero)
+    snap = T.verify_layout(tree, idx, cnt, zero, zero)
     return snap, pack(snap)
+
+
+@functools.partial(jax.jit, static_argnames=("bs",))
+def draft_snapshot(s, *, bs):
+    """``snapshot_of`` the draft state's tree."""
+    return snapshot_of(s.tree, bs)
 
 
 @functools.partial(
@@ -473,8 +507,7 @@ def _device_loop(stats, tdev, ddev, tflat, dflat, ids, lens, key, *, bs, d, **kw
     )
     res, setup_s = swiftspec_device.run(
         tdev, ddev, tflat, dflat, ids, lens, key, sources=kw["sources"], prefill_kw=pkw,
-        init_kw=ikw, grow_kw=gkw, next_kw=dict(bs=bs, limit=0, layout=vlayout, **gkw),
-        verify_kw=verify_kw, bs=bs, d=d, vlayout=vlayout,
+        init_kw=ikw, grow_kw=gkw, verify_kw=verify_kw, bs=bs, d=d, vlayout=vlayout,
     )  # fmt: skip
     stats["compile_s"] += setup_s
     stats["setup_s"] = setup_s
