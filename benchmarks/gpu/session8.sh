@@ -2,15 +2,21 @@
 # Planned for the next GPU session (not run yet). Before the first call:
 #   git rev-parse --short HEAD > .carry1/commit
 #
-#   call 1 (nvidia-h200, carry .carry1 .whl): stash the GGUF's first half, install gguf; the
-#          fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) compiled
-#          against its reference; then the SmolLM2-shape step with it and without it
+#   Both calls on nvidia-h200-x2 if it is lent (call 1 needs two GPUs for its last part; the
+#   rest uses one), else nvidia-h200 and skip the SwiftSpec part.
+#   call 1 (carry .carry1 .whl): stash the GGUF's first half, install gguf; the fused RoPE +
+#          cache write + attention kernel (pallas_kernels/rope_attention.py) compiled against its
+#          reference; then the SmolLM2-shape step with it and without it
 #          (JAXSPEC_FUSED_ATTENTION=pallas), kernels per step and ms (issue 10; prediction: ~120
-#          of 491 kernels fewer, ~10-20% off the 1.05 ms step, if XLA keeps the caches in place).
-#   call 2 (carry .carry2): join the GGUF; bench_small_model at 1K and 4K, with the fused
-#          kernel if call 1 showed it faster (set FUSED=pallas), else as is.
+#          of 491 kernels fewer, ~10-20% off the 1.05 ms step, if XLA keeps the caches in place);
+#          then SwiftSpec's loops on the 8B/1B shapes with the single-exchange device loop
+#          (c4824b0; prediction: 5.8-5.9 ms against 6.26 at 7c90b6b).
+#   call 2 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K, with the
+#          fused kernel if call 1 showed it faster (set FUSED=pallas), else as is.
+#   call 3 (no carry, within 30 s, two GPUs): the end-to-end table again (bench_spec_core --set
+#          e2e): SwiftSpec on SmolLM2 with the single-exchange loop.
 #
-#   bash benchmarks/gpu/session8.sh 1|2
+#   bash benchmarks/gpu/session8.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; the environment from the caller
@@ -23,7 +29,7 @@ r=json.loads(t[i:t.rfind('}')+1])
 print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
 print('   top', r.get('top'), r.get('trace_error',''))"
 }
-case "${1:?call 1 or 2}" in
+case "${1:?call 1 to 3}" in
 1)
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,6 +41,10 @@ case "${1:?call 1 or 2}" in
     JAXSPEC_FUSED_ATTENTION=pallas probe "fused_b$1_c$2" --batch "$1" --context "$2" --steps 32
   done
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
+    timeout 200 python3 benchmarks/bench_swiftspec_2gpu.py --loops-only 2 \
+      --out "$OUT/swiftspec_2gpu_loops.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -5
+  fi
   ;;
 2)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
@@ -43,5 +53,11 @@ case "${1:?call 1 or 2}" in
   timeout 560 python3 benchmarks/bench_small_model.py \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
     --out "$OUT/small_model.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
+  ;;
+3)
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf JAXSPEC_FUSED_ATTENTION="${FUSED:-off}"
+  timeout 420 python3 benchmarks/bench_spec_core.py --set e2e \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --prompts 8 --new 128 \
+    --out "$OUT/spec_e2e_gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -14
   ;;
 esac
