@@ -1,4 +1,5 @@
-"""Attention over a KVCache block spec: the pure-jnp reference every kernel is checked against."""
+"""Attention over a KVCache block spec: the pure-jnp reference every kernel is checked against,
+and the rotary embedding the model and the fused kernel's reference apply."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.kv_cache import visible
+
+
+def apply_rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:
+    """Rotate-half RoPE (HF layout: the two halves of each head are the pair), in float32."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 def attend(

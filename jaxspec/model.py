@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxspec.attention import apply_rope
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
 from pallas_kernels import fused_linear, rope_attention
@@ -135,15 +136,6 @@ def rope_tables(cfg: ModelConfig, positions: Int[Array, "b t"]):
     inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:
-    """Rotate-half RoPE (HF layout: the two halves of each head are the pair)."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):

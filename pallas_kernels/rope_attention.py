@@ -8,7 +8,8 @@ as they leave the projection, and per program:
 - runs the same split-K online softmax over the committed prefix ``[0, length)`` as
   ``decode_attention`` (the prefix is read from the cache, never written);
 - in the last split, takes the block part from registers instead of the cache: the new keys,
-  rotated here (rotate-half RoPE, float32, as ``jaxspec.model.apply_rope``), and the new values;
+  rotated here (rotate-half RoPE in float32, as ``jaxspec.attention.apply_rope``), and the
+  new values;
 - in the last split of the first row tile, stores the rotated keys and the values into the
   cache at their slots. The caches are aliased inputs/outputs, so only those rows change.
 
@@ -35,18 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.attention import attend
+from jaxspec.attention import apply_rope, attend
 from jaxspec.kv_cache import write
 from pallas_kernels import decode_attention as D
-
-
-def rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:
-    """Rotate-half RoPE in float32 (``jaxspec.model.apply_rope``'s arithmetic)."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 def reference(
@@ -62,7 +54,7 @@ def reference(
     block_mask: Bool[Array, "b t t"],
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """The unfused path: rotate the new keys, write K/V into their slots, attend."""
-    k_cache = write(k_cache, rope(k_new, cos, sin), slots)
+    k_cache = write(k_cache, apply_rope(k_new, cos, sin), slots)
     v_cache = write(v_cache, v_new, slots)
     return attend(q, k_cache, v_cache, length, block_mask), k_cache, v_cache
 

@@ -77,39 +77,20 @@ class Verdict:
     done: jax.Array
 
 
+def _bits(x) -> jax.Array:
+    """One leaf as flat int32: integers and bools by value, 32-bit floats by their bits."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        if jnp.dtype(x.dtype).itemsize != 4:
+            raise ValueError(f"pack takes 32-bit floats, got {x.dtype}")
+        return jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
+    return jnp.ravel(x).astype(jnp.int32)
+
+
 def pack(tree) -> jax.Array:
-    """A pytree of integer/bool arrays as one flat int32 array: one transfer between meshes
-    instead of one per leaf (each cross-device copy has a fixed latency)."""
-    return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in jax.tree.leaves(tree)])
-
-
-def pack_bits(tree) -> jax.Array:
-    """Like ``pack``, but 32-bit floats travel as their bits (``unpack_bits`` restores them
-    exactly): for a draft tree's scores."""
-
-    def one(x):
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            if jnp.dtype(x.dtype).itemsize != 4:
-                raise ValueError(f"pack_bits takes 32-bit floats, got {x.dtype}")
-            return jax.lax.bitcast_convert_type(x, jnp.int32).ravel()
-        return jnp.ravel(x).astype(jnp.int32)
-
-    return jnp.concatenate([one(x) for x in jax.tree.leaves(tree)])
-
-
-def unpack_bits(flat: jax.Array, layout: tuple):
-    """The inverse of ``pack_bits`` for ``spec(tree)``."""
-    treedef, shapes = layout
-    leaves, at = [], 0
-    for shape, dtype in shapes:
-        size = int(np.prod(shape, dtype=np.int64))
-        part = flat[at : at + size].reshape(shape)
-        if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            leaves.append(jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
-        else:
-            leaves.append(part.astype(dtype))
-        at += size
-    return jax.tree.unflatten(treedef, leaves)
+    """A pytree of integer/bool/float32 arrays as one flat int32 array: one transfer between
+    meshes instead of one per leaf (each cross-device copy has a fixed latency). Floats travel
+    as their bits, so ``unpack`` restores them exactly (a draft tree's scores)."""
+    return jnp.concatenate([_bits(x) for x in jax.tree.leaves(tree)])
 
 
 def spec(tree) -> tuple:
@@ -123,7 +104,11 @@ def unpack(flat: jax.Array, layout: tuple):
     leaves, at = [], 0
     for shape, dtype in shapes:
         size = int(np.prod(shape, dtype=np.int64))
-        leaves.append(flat[at : at + size].reshape(shape).astype(dtype))
+        part = flat[at : at + size].reshape(shape)
+        if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            leaves.append(jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
+        else:
+            leaves.append(part.astype(dtype))
         at += size
     return jax.tree.unflatten(treedef, leaves)
 

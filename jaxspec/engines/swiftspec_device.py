@@ -135,12 +135,12 @@ def device_loop(
 
                 ds = jax.lax.cond(has_prev, commit, lambda x: x, ds)
                 ds = grow(dflat, ds, n=d, **grow_kw)
-                return ts, ds, pad(S.pack_bits(ds.tree))
+                return ts, ds, pad(S.pack(ds.tree))
 
             ts, ds, mine = jax.lax.cond(me == 0, target_phase, draft_phase, (ts, ds))
             theirs = jax.lax.ppermute(mine, AXIS, [(0, 1), (1, 0)])
             vflat = jnp.where(me == 0, mine, theirs)[:vsize]
-            grown = S.unpack_bits(jnp.where(me == 0, theirs, mine)[:tsize], tree_layout)
+            grown = S.unpack(jnp.where(me == 0, theirs, mine)[:tsize], tree_layout)
             new_snap, new_flat = snapshot_after(grown, snap, vflat)
             done = S.unpack(vflat, vlayout).done
             return ts, ds, new_snap, new_flat, snap, vflat, jnp.ones((), bool), done, it + 1
