@@ -152,6 +152,8 @@ def device_loop(
         init_c = (ts, ds, snap, flat, snap, jnp.zeros((vsize,), jnp.int32), false, false, zero)
         c = jax.lax.while_loop(lambda c: ~c[7] & (c[8] < limit), body, init_c)
         ts, ds, it = c[0], c[1], c[8]
+        # ds.carried counts the re-roots the draft made: the last verdict's is never made (the
+        # generation is over), so it can be one re-root short of the threaded loop's count
         results = dict(
             out=ts.out, count=ts.count, done=ts.done, emitted=ts.emitted,
             live_steps=ts.live_steps, carried=ds.carried, recomputed=ds.recomputed, it=it,
