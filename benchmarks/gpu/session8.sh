@@ -34,17 +34,33 @@ case "${1:?call 1 to 3}" in
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
-  timeout 200 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
-  for c in "1 1024" "1 4096" "128 512"; do
+  timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
+  probe plain_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_FUSED_ATTENTION=pallas probe fused_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_MIN_GEMM_ROWS=1 probe rows1_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_MIN_GEMM_ROWS=1 JAXSPEC_FUSED_ATTENTION=pallas probe rows1_fused_b1_c1024 \
+    --batch 1 --context 1024 --steps 32
+  J="$OUT/decode_rows.json"
+  for f in off pallas; do  # issue 6's 8B and 1B steps with and without the fused kernel
+    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f timeout 120 python3 benchmarks/bench_decode_gpu.py \
+      --budget-s 60 --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 \
+      | grep -v "^W0000\|^I0000\|^{" | tail -3
+  done
+  python3 - "$J" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
+PY
+  if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
+    timeout 200 python3 benchmarks/bench_swiftspec_2gpu.py --loops-only 2 \
+      --out "$OUT/swiftspec_2gpu_loops.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -5
+  fi
+  for c in "1 4096" "128 512"; do
     set -- $c
     probe "plain_b$1_c$2" --batch "$1" --context "$2" --steps 32
     JAXSPEC_FUSED_ATTENTION=pallas probe "fused_b$1_c$2" --batch "$1" --context "$2" --steps 32
   done
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
-  if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
-    timeout 200 python3 benchmarks/bench_swiftspec_2gpu.py --loops-only 2 \
-      --out "$OUT/swiftspec_2gpu_loops.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -5
-  fi
   ;;
 2)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
