@@ -78,7 +78,19 @@ def metadata() -> dict:
     }
     if os.environ.get("XLA_FLAGS"):  # compiler options change the figures: keep them with them
         meta["xla_flags"] = os.environ["XLA_FLAGS"]
+    # the model's kernel switches (JAXSPEC_FUSED_ATTENTION, ...) change them too; paths and
+    # labels do not
+    switches = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("JAXSPEC_") and k not in _NOT_SWITCHES
+    }
+    if switches:
+        meta["jaxspec_env"] = switches
     return meta
+
+
+_NOT_SWITCHES = ("JAXSPEC_COMMIT", "JAXSPEC_DEFAULT_GGUF", "JAXSPEC_LABEL", "JAXSPEC_DUMP_HLO")
 
 
 def _command(argv: list[str]) -> str:

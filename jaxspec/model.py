@@ -147,8 +147,7 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
 
-    @staticmethod
-    def fused_attention(q, k, k_cache, block: Block) -> bool:
+    def fused_attention(self, x, k_cache, block: Block) -> bool:
         """Whether this step takes the fused RoPE + cache write + attention kernel."""
         if FUSED_ATTENTION not in ("off", "pallas", "interpret"):
             raise ValueError(
@@ -157,22 +156,29 @@ class Attention(nnx.Module):
             )
         if FUSED_ATTENTION == "off" or not block.appended:
             return False
-        return rope_attention.unsupported_reason(q, k, k_cache, block.block_mask) is None
+        cfg = self.cfg
+        b, t, _ = x.shape
+        heads = cfg.num_heads + 2 * cfg.num_kv_heads
+        qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), x.dtype)
+        why = rope_attention.unsupported_reason(qkv, cfg.num_heads, k_cache, block.block_mask)
+        return why is None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block):
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, cos, sin)
-        if self.fused_attention(q, k, k_cache, block):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.fused_attention(x, k_cache, block):
+            # one array, as the projection GEMM leaves it: the kernel gathers its heads
+            qkv = jnp.concatenate([q, k, v], axis=-1)
             out, k_cache, v_cache = rope_attention.rope_attention(
-                q, k, v, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
+                qkv.reshape(b, t, -1, cfg.head_dim), cos, sin, k_cache, v_cache, length,
+                block.slots, block.block_mask, num_heads=cfg.num_heads,
                 interpret=FUSED_ATTENTION == "interpret",
             )  # fmt: skip
             return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         k_cache = write(k_cache, k, block.slots)
         v_cache = write(v_cache, v, block.slots)
         out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)

@@ -113,13 +113,6 @@ class ModelTreeDraft:
             recomputed=recomputed,
         )
 
-    def next_tree(self, tree: T.Tree, tb: T.TreeBlock, path, n_acc, bonus) -> T.Tree:
-        """The tree ``commit`` leaves after this verdict (the same arithmetic): SwiftSpec's
-        on-device loop computes it on the target's device too, from the grown tree alone."""
-        if self.sparse is None:
-            return T.reroot(tree, T.path_nodes(tb, path), n_acc, bonus)[0]
-        return T.new_tree(bonus, self.capacity)
-
     def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> ModelTreeState:
         b = n_acc.shape[0]
         rows = jnp.arange(b)

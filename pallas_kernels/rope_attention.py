@@ -1,27 +1,35 @@
-"""Decode attention that also rotates the new keys and writes the new K/V into the cache.
+"""Decode attention that also rotates the new queries and keys and writes the new K/V into the
+cache.
 
 Issue 10: in a SmolLM2 decode step, five of a layer's sixteen kernels only prepare the attention
 kernel's inputs: K's RoPE, V's slot select, the two cache writes and Q's preparation
-(benchmarks/notes/small_step_probe.md). This kernel takes the new tokens' K (before RoPE) and V
-as they leave the projection, and per program:
+(benchmarks/notes/small_step_probe.md). This kernel takes the Q/K/V projections as they leave the
+GEMM, in one array ``qkv [B, T, H + 2 KH, hd]`` (query heads, then key heads, then value heads;
+before RoPE), and per program:
 
+- gathers its query rows (the ``g`` query heads of its KV head, for every new token) straight
+  from ``qkv`` and rotates them (rotate-half RoPE in float32, rounded to the input dtype, as
+  ``jaxspec.attention.apply_rope``);
 - runs the same split-K online softmax over the committed prefix ``[0, length)`` as
   ``decode_attention`` (the prefix is read from the cache, never written);
 - in the last split, takes the block part from registers instead of the cache: the new keys,
-  rotated here (rotate-half RoPE in float32, as ``jaxspec.attention.apply_rope``), and the
-  new values;
+  rotated here, and the new values;
 - in the last split of the first row tile, stores the rotated keys and the values into the
   cache at their slots. The caches are aliased inputs/outputs, so only those rows change.
+
+So nothing sits between the projection GEMM and this kernel but the GEMM's own epilogue (on the
+H200, XLA's split-K sum): the first version, which took Q rotated and transposed for the kernel
+and K and V as two slices, left three such fusions per layer (session 8's probe:
+benchmarks/notes/small_step_probe.md).
 
 It serves "appended" blocks only (``jaxspec.kv_cache.Block.appended``): token ``i`` of row ``b``
 goes to slot ``length[b] + i`` (or nowhere: a slot past the capacity), and block column ``j`` is
 token ``j``. That is a decode step, a chain verify and the target's tree verify; a draft's tree
-expansion (whose block window holds earlier nodes) takes ``decode_attention``. The queries come
-rotated (their RoPE stays in the XLA fusion that pads them for the kernel).
+expansion (whose block window holds earlier nodes) takes ``decode_attention``.
 
 The result equals ``reference`` (RoPE, ``kv_cache.write``, ``attention.attend``); the combine of
 the splits is ``decode_attention.combine``. Opt-in for the model: ``JAXSPEC_FUSED_ATTENTION``
-(``jaxspec/model.py``), one device only (no partitioning rule), until measured on a GPU.
+(``jaxspec/model.py``), one device only (no partitioning rule).
 """
 
 from __future__ import annotations
@@ -41,10 +49,14 @@ from jaxspec.kv_cache import write
 from pallas_kernels import decode_attention as D
 
 
+def split_heads(qkv, num_heads: int, num_kv_heads: int):
+    """``qkv [B, T, H + 2 KH, hd]`` as (q, k, v)."""
+    h, kh = num_heads, num_kv_heads
+    return qkv[:, :, :h], qkv[:, :, h : h + kh], qkv[:, :, h + kh : h + 2 * kh]
+
+
 def reference(
-    q: Float[Array, "b t h hd"],
-    k_new: Float[Array, "b t kh hd"],
-    v_new: Float[Array, "b t kh hd"],
+    qkv: Float[Array, "b t nh hd"],
     cos: Float[Array, "b t half"],
     sin: Float[Array, "b t half"],
     k_cache: Float[Array, "b s kh hd"],
@@ -52,23 +64,36 @@ def reference(
     length: Int[Array, " b"],
     slots: Int[Array, "b t"],
     block_mask: Bool[Array, "b t t"],
+    *,
+    num_heads: int,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
-    """The unfused path: rotate the new keys, write K/V into their slots, attend."""
-    k_cache = write(k_cache, apply_rope(k_new, cos, sin), slots)
-    v_cache = write(v_cache, v_new, slots)
-    return attend(q, k_cache, v_cache, length, block_mask), k_cache, v_cache
+    """The unfused path: rotate the new queries and keys, write K/V into their slots, attend."""
+    q, k, v = split_heads(qkv, num_heads, k_cache.shape[2])
+    k_cache = write(k_cache, apply_rope(k, cos, sin), slots)
+    v_cache = write(v_cache, v, slots)
+    return attend(apply_rope(q, cos, sin), k_cache, v_cache, length, block_mask), k_cache, v_cache
 
 
-def unsupported_reason(q, k_new, k_cache, block_mask) -> str | None:
+def unsupported_reason(qkv, num_heads: int, k_cache, block_mask) -> str | None:
     """Why the kernel cannot take these shapes (``None`` when it can)."""
-    t = q.shape[1]
-    if k_new.shape[1] != t or block_mask.shape[-1] != t:
-        return f"not an appended block: T={t}, K rows {k_new.shape[1]}, N={block_mask.shape[-1]}"
-    if k_new.shape[0] != q.shape[0] or k_new.shape[2:] != k_cache.shape[2:]:
-        return f"new K {k_new.shape} does not match the cache {k_cache.shape}"
-    if jnp.dtype(k_new.dtype) != jnp.dtype(k_cache.dtype):
-        return f"new K dtype {k_new.dtype} is not the cache's {k_cache.dtype}"
-    return D.unsupported_reason(q, k_cache, k_cache, block_mask)
+    b, t, nh, hd = qkv.shape
+    kh = k_cache.shape[2]
+    if nh != num_heads + 2 * kh:
+        return f"qkv has {nh} heads, not {num_heads} query + 2 x {kh} KV heads"
+    if block_mask.shape[-1] != t:
+        return f"not an appended block: T={t}, N={block_mask.shape[-1]}"
+    if k_cache.shape[0] != b or k_cache.shape[3] != hd:
+        return f"qkv {qkv.shape} does not match the cache {k_cache.shape}"
+    if jnp.dtype(qkv.dtype) != jnp.dtype(k_cache.dtype):
+        return f"qkv dtype {qkv.dtype} is not the cache's {k_cache.dtype}"
+    q_shape = jax.ShapeDtypeStruct((b, t, num_heads, hd), qkv.dtype)
+    return D.unsupported_reason(q_shape, k_cache, k_cache, block_mask)
+
+
+def rotate(x1, x2, cos, sin):
+    """Rotate-half RoPE of the two halves, in float32, rounded back to their dtype."""
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (f1 * cos - f2 * sin).astype(x1.dtype), (f2 * cos + f1 * sin).astype(x1.dtype)
 
 
 def _kernel(
@@ -98,13 +123,26 @@ def _kernel(
     n_new: int,
     n_pad: int,
     half: int,
+    g: int,
 ):
     row_tile = pl.program_id(0)
     split = pl.program_id(2)
     length = jnp.maximum(len_ref[()], 0)
     prefix = jnp.minimum(length, seq_len)
-    q1 = q_ref[:, pl.ds(0, half)]  # [block_m, half]: the halves RoPE pairs
-    q2 = q_ref[:, pl.ds(half, half)]
+    # this tile's query rows: row r is token r // g, query head kv_head * g + r % g
+    r = row_tile * block_m + jnp.arange(block_m)
+    live = r < n_rows
+    tok = jnp.where(live, r // g, 0)
+    head = pl.program_id(1) * g + r % g
+    lanes = live[:, None]
+    # gathers with one index array per dimension, all [block_m, half]
+    tok, head = (jnp.broadcast_to(x[:, None], (block_m, half)) for x in (tok, head))
+    col = jnp.broadcast_to(jnp.arange(half)[None, :], (block_m, half))
+    q1 = plgpu.load(q_ref.at[tok, head, col], mask=lanes, other=0.0)
+    q2 = plgpu.load(q_ref.at[tok, head, col + half], mask=lanes, other=0.0)
+    qc = plgpu.load(cos_ref.at[tok, col], mask=lanes, other=0.0)
+    qs = plgpu.load(sin_ref.at[tok, col], mask=lanes, other=0.0)
+    q1, q2 = rotate(q1, q2, qc, qs)  # [block_m, half]: the halves RoPE pairs
 
     def update(carry, k1, k2, v, allowed):
         acc, m, ssum = carry
@@ -147,9 +185,7 @@ def _kernel(
         v = plgpu.load(vn_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
         c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
         s = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
-        x1, x2 = kh1.astype(jnp.float32), kh2.astype(jnp.float32)
-        k1 = (x1 * c - x2 * s).astype(kh1.dtype)
-        k2 = (x2 * c + x1 * s).astype(kh1.dtype)
+        k1, k2 = rotate(kh1, kh2, c, s)
         # the new rows into the cache: once per (row, KV head), by the first row tile
         slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
         put = (valid & (slot == length + cols) & (row_tile == 0))[:, None]
@@ -161,18 +197,14 @@ def _kernel(
 
     carry = lax.cond(split == n_splits - 1, block_part, lambda c: c, carry)
     acc, m, ssum = carry
-    rows = row_tile * block_m + jnp.arange(block_m)
-    live = rows < n_rows
-    plgpu.store(o_ref, acc, mask=live[:, None])
+    plgpu.store(o_ref, acc, mask=lanes)
     plgpu.store(m_ref, m, mask=live)
     plgpu.store(ssum_ref, ssum, mask=live)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(5, 6))
+@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
 def rope_attention(
-    q: Float[Array, "b t h hd"],
-    k_new: Float[Array, "b t kh hd"],
-    v_new: Float[Array, "b t kh hd"],
+    qkv: Float[Array, "b t nh hd"],
     cos: Float[Array, "b t half"],
     sin: Float[Array, "b t half"],
     k_cache: Float[Array, "b s kh hd"],
@@ -181,22 +213,23 @@ def rope_attention(
     slots: Int[Array, "b t"],
     block_mask: Bool[Array, "b t n"],
     *,
+    num_heads: int,
     interpret: bool = False,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``reference``'s result in one kernel plus the combine: (attention output, K cache, V
-    cache). ``q`` comes rotated, ``k_new`` not; the caches are donated (updated in place)."""
-    reason = unsupported_reason(q, k_new, k_cache, block_mask)
+    cache). ``qkv`` holds the projections before RoPE; the caches are donated (updated in
+    place)."""
+    reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
-    b, t, h, hd = q.shape
+    b, t, nh, hd = qkv.shape
     _, s, kh, _ = k_cache.shape
+    h = num_heads
     g = h // kh
     rows = t * g
     p = D.plan(b, s, kh, rows, head_dim=hd)
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, D._next_pow2(t))
-    qr = q.reshape(b, t, kh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, hd)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, m_pad - rows), (0, 0)))
     bmr = jnp.repeat(block_mask, g, axis=1)
     bmr = jnp.pad(bmr, ((0, 0), (0, m_pad - rows), (0, n_pad - t))).astype(jnp.int8)
     kernel = functools.partial(
@@ -211,9 +244,13 @@ def rope_attention(
         n_new=t,
         n_pad=n_pad,
         half=hd // 2,
+        g=g,
     )
     kv_spec = pl.BlockSpec((None, s, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
-    new_spec = pl.BlockSpec((None, t, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
+
+    def head_spec(first):  # one KV head's new rows: qkv's head ``first + kv head``
+        return pl.BlockSpec((None, t, None, hd), lambda i, hh, j, bb: (bb, 0, first + hh, 0))
+
     tab_spec = pl.BlockSpec((None, t, hd // 2), lambda i, hh, j, bb: (bb, 0, 0))
     f32 = jnp.float32
     acc, m, ssum, k_cache, v_cache = pl.pallas_call(
@@ -222,9 +259,9 @@ def rope_attention(
         in_specs=[
             pl.BlockSpec((None,), lambda i, hh, j, bb: (bb,)),
             pl.BlockSpec((None, t), lambda i, hh, j, bb: (bb, 0)),
-            pl.BlockSpec((None, None, bm, hd), lambda i, hh, j, bb: (bb, hh, i, 0)),
-            new_spec,
-            new_spec,
+            pl.BlockSpec((None, t, nh, hd), lambda i, hh, j, bb: (bb, 0, 0, 0)),  # queries
+            head_spec(h),  # this program's new keys
+            head_spec(h + kh),  # and values
             tab_spec,
             tab_spec,
             kv_spec,
@@ -252,14 +289,14 @@ def rope_attention(
     )(
         length.astype(jnp.int32),
         slots.astype(jnp.int32),
-        qr,
-        k_new,
-        v_new,
+        qkv,
+        qkv,
+        qkv,
         cos.astype(f32),
         sin.astype(f32),
         k_cache,
         v_cache,
         bmr,
     )
-    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, q.dtype)
+    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, qkv.dtype)
     return out, k_cache, v_cache

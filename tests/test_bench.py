@@ -243,6 +243,15 @@ def test_compare_finds_the_first_difference():
     assert bench.compare([1], None) == {}
 
 
+def test_metadata_keeps_the_kernel_switches_not_the_paths(monkeypatch):
+    monkeypatch.setenv("JAXSPEC_FUSED_ATTENTION", "pallas")
+    monkeypatch.setenv("JAXSPEC_DEFAULT_GGUF", "/somewhere/smol.gguf")
+    meta = bench.metadata()
+    assert meta["jaxspec_env"] == {"JAXSPEC_FUSED_ATTENTION": "pallas"}
+    monkeypatch.delenv("JAXSPEC_FUSED_ATTENTION")
+    assert "jaxspec_env" not in bench.metadata()
+
+
 def test_recorded_command_is_the_one_typed():
     assert (
         bench._command(["/v/bin/jaxspec", "bench", "--prompts", "8"]) == "jaxspec bench --prompts 8"

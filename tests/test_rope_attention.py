@@ -34,8 +34,7 @@ def make_inputs(seed, *, b, t, kh, g, s, hd, dtype, tree: bool, near_end: bool =
         real = np.arange(t)[None, :] < valid[:, None]
         mask = tree_masks(rng, b, t, t, valid)
         slots = np.where(real, length[:, None] + np.arange(t), NO_SLOT).astype(np.int32)
-    q = rng.normal(size=(b, t, kh * g, hd))
-    kn, vn = rng.normal(size=(2, b, t, kh, hd))
+    qkv = rng.normal(size=(b, t, kh * g + 2 * kh, hd))  # query, key, value heads; before RoPE
     ang = rng.uniform(0, 50, (b, t, 1)) * np.linspace(1e-3, 1.0, hd // 2)
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     kc, vc = rng.normal(size=(2, b, s, kh, hd))
@@ -44,7 +43,7 @@ def make_inputs(seed, *, b, t, kh, g, s, hd, dtype, tree: bool, near_end: bool =
     k_bad[past], v_bad[past] = np.nan, np.nan
     kc[past], vc[past] = 0.0, 0.0
     arr = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    common = (arr(q), arr(kn), arr(vn), jnp.asarray(cos), jnp.asarray(sin))
+    common = (arr(qkv), jnp.asarray(cos), jnp.asarray(sin))
     tail = (jnp.asarray(length), jnp.asarray(slots), jnp.asarray(mask))
     return common + (arr(k_bad), arr(v_bad)) + tail, common + (arr(kc), arr(vc)) + tail
 
@@ -59,8 +58,8 @@ def check(got, want, poisoned, dtype):
     r_out, r_k, r_v = (np.asarray(x, np.float32) for x in want)
     assert not np.isnan(out).any(), "NaN leaked into the output"
     np.testing.assert_allclose(out, r_out, atol=TOL[dtype], rtol=TOL[dtype])
-    slots = np.asarray(poisoned[8])
-    for cache, ref, before in ((k, r_k, poisoned[5]), (v, r_v, poisoned[6])):
+    slots = np.asarray(poisoned[6])
+    for cache, ref, before in ((k, r_k, poisoned[3]), (v, r_v, poisoned[4])):
         before = np.asarray(before, np.float32)
         written = np.zeros(before.shape[:2], bool)
         for row in range(before.shape[0]):
@@ -84,26 +83,36 @@ def check(got, want, poisoned, dtype):
 def test_matches_the_unfused_path(t, g, s, hd, dtype, tree):
     for seed in range(2):
         poisoned, clean = make_inputs(seed, b=3, t=t, kh=2, g=g, s=s, hd=hd, dtype=dtype, tree=tree)
-        got = R.rope_attention(*copies(poisoned), interpret=INTERPRET)
-        check(got, R.reference(*clean), poisoned, dtype)
+        got = R.rope_attention(*copies(poisoned), num_heads=2 * g, interpret=INTERPRET)
+        check(got, R.reference(*clean, num_heads=2 * g), poisoned, dtype)
 
 
 def test_new_tokens_past_the_capacity_are_neither_written_nor_seen():
     poisoned, clean = make_inputs(
         3, b=2, t=4, kh=2, g=2, s=40, hd=64, dtype=jnp.float32, tree=False, near_end=True
     )
-    got = R.rope_attention(*copies(poisoned), interpret=INTERPRET)
-    check(got, R.reference(*clean), poisoned, jnp.float32)
+    got = R.rope_attention(*copies(poisoned), num_heads=4, interpret=INTERPRET)
+    check(got, R.reference(*clean, num_heads=4), poisoned, jnp.float32)
 
 
 def test_only_appended_blocks():
     poisoned, _ = make_inputs(0, b=1, t=4, kh=2, g=2, s=40, hd=64, dtype=jnp.float32, tree=False)
-    q, kn, _, _, _, kc, _, _, _, mask = poisoned
-    assert R.unsupported_reason(q, kn, kc, mask) is None
+    qkv, _, _, kc, _, _, _, mask = poisoned
+    assert R.unsupported_reason(qkv, 4, kc, mask) is None
     wide = jnp.zeros(mask.shape[:2] + (8,), bool)  # a block window wider than the new tokens
-    assert "not an appended block" in R.unsupported_reason(q, kn, kc, wide)
+    assert "not an appended block" in R.unsupported_reason(qkv, 4, kc, wide)
+    assert "heads" in R.unsupported_reason(qkv, 6, kc, mask)
     with pytest.raises(ValueError, match="appended"):
-        R.rope_attention(*copies(poisoned[:9]), wide, interpret=True)
+        R.rope_attention(*copies(poisoned[:7]), wide, num_heads=4, interpret=True)
+
+
+def test_query_rows_are_gathered_per_token_and_head():
+    """Each query head must meet its own token's RoPE angle and its own KV head: a tree verify
+    with a distinct angle per token, four query heads per KV head and three KV heads, where a
+    row mix-up (token-major against head-major) changes the output."""
+    poisoned, clean = make_inputs(5, b=2, t=6, kh=3, g=4, s=50, hd=64, dtype=jnp.float32, tree=True)
+    got = R.rope_attention(*copies(poisoned), num_heads=12, interpret=INTERPRET)
+    check(got, R.reference(*clean, num_heads=12), poisoned, jnp.float32)
 
 
 def test_model_tokens_with_the_fused_kernel(monkeypatch):

@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
-# Planned for the next GPU session (not run yet). Before the first call:
+# Session 8's GPU calls. Before the first call of a streak:
 #   git rev-parse --short HEAD > .carry1/commit
 #
-#   Both calls on nvidia-h200-x2 if it is lent (call 1 needs two GPUs for its last part; the
-#   rest uses one), else nvidia-h200 and skip the SwiftSpec part.
-#   call 1 (carry .carry1 .whl): stash the GGUF's first half, install gguf; the fused RoPE +
-#          cache write + attention kernel (pallas_kernels/rope_attention.py) compiled against its
-#          reference; then the SmolLM2-shape step with it and without it
-#          (JAXSPEC_FUSED_ATTENTION=pallas), kernels per step and ms (issue 10; prediction: ~120
-#          of 491 kernels fewer, ~10-20% off the 1.05 ms step, if XLA keeps the caches in place);
-#          then SwiftSpec's loops on the 8B/1B shapes with the single-exchange device loop
-#          (c4824b0; prediction: 5.8-5.9 ms against 6.26 at 7c90b6b).
-#   call 2 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K, with the
-#          fused kernel if call 1 showed it faster (set FUSED=pallas), else as is.
-#   call 3 (no carry, within 30 s, two GPUs): the end-to-end table again (bench_spec_core --set
-#          e2e): SwiftSpec on SmolLM2 with the single-exchange loop.
+#   call 1 (ran at bd8565f; carry .carry1 .whl): the first fused-attention kernel against the
+#          plain step (SmolLM2 shape, batch 1 at 1K and 4K, batch 128 at 512), unpadded GEMM
+#          rows, the 8B and 1B steps with and without it, the single-exchange SwiftSpec loop.
+#          Results: benchmarks/notes/small_step_probe.md, swiftspec_2gpu_loops.md.
+#   call 2 (carry .carry1 .whl): stash the GGUF's first half; the fused kernel that takes qkv
+#          whole, checked against its reference on the GPU; the SmolLM2-shape step with it,
+#          with XLA's split-K GEMMs off and with the Triton normalization fusions, each against
+#          the plain step; the 8B/1B steps with it (issue 6).
+#   call 3 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K with the
+#          settings call 2 showed fastest: FUSED=pallas|off, XLAX="extra XLA flags".
+#   call 4 (no carry, within 30 s, two GPUs): the end-to-end table (bench_spec_core --set e2e).
 #
-#   bash benchmarks/gpu/session8.sh 1|2|3
+#   bash benchmarks/gpu/session8.sh 1|2|3|4
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; the environment from the caller
@@ -29,7 +27,7 @@ r=json.loads(t[i:t.rfind('}')+1])
 print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
 print('   top', r.get('top'), r.get('trace_error',''))"
 }
-case "${1:?call 1 to 3}" in
+case "${1:?call 1 to 4}" in
 1)
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -63,15 +61,45 @@ PY
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
   ;;
 2)
+  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target ~/site .whl/*.whl
+  timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
+  SK=--xla_gpu_enable_split_k_autotuning=false
+  SM=--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true
+  probe plain_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_FUSED_ATTENTION=pallas probe qkv_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS=$SK JAXSPEC_FUSED_ATTENTION=pallas probe qkv_nosplitk_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS=$SK probe plain_nosplitk_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS=$SM JAXSPEC_FUSED_ATTENTION=pallas probe qkv_softmax_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS="$SK $SM" JAXSPEC_FUSED_ATTENTION=pallas probe qkv_nosplitk_softmax_b1_c1024 --batch 1 --context 1024 --steps 32
+  probe plain_b1_c4096 --batch 1 --context 4096 --steps 32
+  JAXSPEC_FUSED_ATTENTION=pallas probe qkv_b1_c4096 --batch 1 --context 4096 --steps 32
+  J="$OUT/decode_rows.json"
+  for f in off pallas; do  # issue 6's 8B and 1B steps with and without the fused kernel
+    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f timeout 120 python3 benchmarks/bench_decode_gpu.py \
+      --budget-s 60 --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 \
+      | grep -v "^W0000\|^I0000\|^{" | tail -3
+  done
+  python3 - "$J" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
+PY
+  ls "$OUT"
+  ;;
+3)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
   echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf JAXSPEC_FUSED_ATTENTION="${FUSED:-off}"
-  timeout 560 python3 benchmarks/bench_small_model.py \
+  [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
+  timeout 570 python3 benchmarks/bench_small_model.py \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
     --out "$OUT/small_model.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -30
   ;;
-3)
+4)
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf JAXSPEC_FUSED_ATTENTION="${FUSED:-off}"
+  [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
   timeout 420 python3 benchmarks/bench_spec_core.py --set e2e \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --prompts 8 --new 128 \
     --out "$OUT/spec_e2e_gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -14

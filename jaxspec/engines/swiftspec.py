@@ -492,7 +492,8 @@ def _device_loop(stats, tdev, ddev, tflat, dflat, ids, lens, key, *, bs, d, **kw
     )
     res, setup_s = swiftspec_device.run(
         tdev, ddev, tflat, dflat, ids, lens, key, sources=kw["sources"], prefill_kw=pkw,
-        init_kw=ikw, grow_kw=gkw, verify_kw=verify_kw, bs=bs, d=d, vlayout=vlayout,
+        init_kw=ikw, grow_kw=gkw, next_kw=dict(bs=bs, limit=0, layout=vlayout, **gkw),
+        verify_kw=verify_kw, bs=bs, d=d, vlayout=vlayout,
     )  # fmt: skip
     stats["compile_s"] += setup_s
     stats["setup_s"] = setup_s

@@ -5,27 +5,25 @@ the host: on two H200s about 3 ms of an 8.6 ms iteration passed with the target'
 thread wake-ups, dispatches that wait on cross-device copies, and the draft's host sync
 (benchmarks/notes/swiftspec_2gpu.md). Here the same pieces run in one ``shard_map`` over a mesh of
 the target's device and the draft's, inside one ``lax.while_loop``, and the handoffs are
-one ``ppermute`` each way (device to device, no host), once per iteration:
+``ppermute``s (device to device, no host):
 
-    phase     device 0: verify snapshot n               device 1: re-root on verdict n - 1
-                                                                  (KV moves), grow d times
-    exchange  verdict n: device 0 -> device 1, the grown tree: device 1 -> device 0
-    both      snapshot n + 1 = the best bs nodes of the grown tree re-rooted on verdict n
+    phase 1   device 0: verify snapshot n               device 1: grow the tree d times
+    handoff   verdict n: device 0 -> device 1
+    phase 2   device 0: (waits)                         device 1: re-root on verdict n,
+                                                                  take snapshot n + 1
+    handoff   snapshot n + 1: device 1 -> device 0
 
-Each device runs its own branch of a ``lax.cond`` on its mesh index, so the verify and the
-draft's work run at the same time on different devices. The next snapshot is a function of the
-grown tree (a few KB of token ids, parents, depths, score bits and ancestor masks) and the
-verdict, which both devices hold after the exchange, so each computes it (the same arithmetic:
-``ModelTreeDraft.next_tree``, ``swiftspec.snapshot_of``) and the target starts its next verify
-without waiting for the draft's re-root. The snapshots are the threaded loop's (its draft
-commits verdict n and takes snapshot n + 1 from the same grown tree), so are the tokens, the
-verifications and the acceptance. Both devices hold both states (each updates only its own; the
-other's is zeros), and the loop ends on the verdict's ``done``, which both devices see.
+Each device runs its own branch of a ``lax.cond`` on its mesh index, so the verify and the d
+expansions of phase 1 run at the same time on different devices, as in the threaded loop; only
+the re-root and snapshot (short) and the two copies sit between verifications. The functions are
+the threaded loop's own (``target_verify``, ``draft_grow``, ``draft_next``), so the tokens are
+the same; both devices hold both states (each updates only its own; the other's is zeros), and
+the loop ends on the verdict's ``done``, which both devices see.
 
-The first version (7c90b6b, 6.26 ms an iteration on two H200s against a 5.96 ms bound) handed
-the verdict to the draft, waited for its re-root and snapshot, and handed the snapshot back: two
-exchanges and two conditions per iteration, with the re-root between them on the target's path
-(benchmarks/notes/swiftspec_2gpu.md).
+A single-exchange variant (c4824b0: the verdict one way and the grown tree the other in one
+``ppermute``, the next snapshot computed on both devices) was measured slower on two H200s:
+6.52 ms an iteration against 7.83 serial (0.83x), where this loop made 6.22 against 8.27
+(0.75x); it was reverted (benchmarks/notes/swiftspec_2gpu_loops.md).
 
 The program also makes the states (the target's prefill on its device, the draft's first tree
 and snapshot on its own) and returns only the tokens and counters: on two H200s (422a005) the
@@ -37,7 +35,6 @@ a steady 6.07 in its trace; benchmarks/notes/swiftspec_2gpu.md).
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import jax
@@ -74,13 +71,13 @@ def _branch(me, who: int, fn, *args):
     return jax.lax.cond(me == who, lambda a: fn(*a), lambda a: _zeros(shapes), args)
 
 
-STATIC = ("mesh", "prefill_kw", "init_kw", "grow_kw", "verify_kw", "bs", "d", "vlayout")
+STATIC = ("mesh", "prefill_kw", "init_kw", "grow_kw", "next_kw", "verify_kw", "bs", "d", "vlayout")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
 def device_loop(
-    tflat, dflat, ids, lens, key, *, mesh, prefill_kw, init_kw, grow_kw, verify_kw, bs, d,
-    vlayout,
+    tflat, dflat, ids, lens, key, *, mesh, prefill_kw, init_kw, grow_kw, next_kw, verify_kw, bs,
+    d, vlayout,
 ):  # fmt: skip
     """The whole generation: ``(tflat, dflat, ids, lens, key) -> results``, every argument
     replicated on ``mesh`` (target device first, draft device second); the ``*_kw`` are the
@@ -89,10 +86,9 @@ def device_loop(
     host and the mesh; the results are the target's tokens and the counters the engine reports,
     each stacked over the two devices."""
     prefill_kw, init_kw, grow_kw = dict(prefill_kw), dict(init_kw), dict(grow_kw)
-    verify_kw = dict(verify_kw)
+    next_kw, verify_kw = dict(next_kw), dict(verify_kw)
     prefill, init, snapshot = _raw(S.target_prefill), _raw(S.draft_init), _raw(S.draft_snapshot)
-    verify, grow = _raw(S.target_verify), _raw(S.draft_grow)
-    draft = grow_kw["draft"]
+    verify, grow, after = _raw(S.target_verify), _raw(S.draft_grow), _raw(S.draft_next)
 
     def per_device(tflat, dflat, ids, lens, key):
         me = jax.lax.axis_index(AXIS)
@@ -106,54 +102,42 @@ def device_loop(
 
         ds, snap, flat = _branch(me, 1, start, dflat, ids, lens, first)
         flat = jnp.where(me == 0, jax.lax.ppermute(flat, AXIS, [(1, 0)]), flat)
-        vsize = jax.eval_shape(functools.partial(verify, **verify_kw), tflat, ts, flat)[2].size
-        tree_layout = S.spec(ds.tree)
-        tsize = sum(math.prod(shape) for shape, _ in tree_layout[1])
-        size = max(vsize, tsize)  # one exchange: both directions carry the same shape
-        pad = lambda x: jnp.pad(x, (0, size - x.shape[0]))  # noqa: E731
-
-        def snapshot_after(grown, snap, vflat):
-            """The next snapshot from the grown tree and the verdict on it: the same arithmetic
-            as the draft's commit + snapshot, so both devices compute the same one."""
-            v = S.unpack(vflat, vlayout)
-            return S.snapshot_of(draft.next_tree(grown, snap, v.path, v.n, v.next), bs)
+        vshapes = jax.eval_shape(functools.partial(verify, **verify_kw), tflat, ts, flat)[2]
 
         def body(c):
-            ts, ds, snap, flat, prev_snap, prev_v, has_prev, _, it = c
+            ts, ds, snap, flat, _, it = c
 
             def target_phase(args):
                 ts, ds = args
                 ts, _, vflat = verify(tflat, ts, flat, **verify_kw)
-                return ts, ds, pad(vflat)
+                return ts, ds, vflat
 
             def draft_phase(args):
                 ts, ds = args
+                return ts, grow(dflat, ds, n=d, **grow_kw), _zeros(vshapes)
 
-                def commit(ds):  # the previous verdict: the re-root of the evolving tree cache
-                    v = S.unpack(prev_v, vlayout)
-                    return draft.commit(ds, prev_snap, v.path, v.n, v.next)
+            ts, ds, vflat = jax.lax.cond(me == 0, target_phase, draft_phase, (ts, ds))
+            vflat = jnp.where(me == 0, vflat, jax.lax.ppermute(vflat, AXIS, [(0, 1)]))
 
-                ds = jax.lax.cond(has_prev, commit, lambda x: x, ds)
-                ds = grow(dflat, ds, n=d, **grow_kw)
-                return ts, ds, pad(S.pack(ds.tree))
+            def reroot(args):
+                ds, snap = args
+                ds, snap, new, _ = after(dflat, ds, snap, vflat, **next_kw)
+                return ds, snap, new
 
-            ts, ds, mine = jax.lax.cond(me == 0, target_phase, draft_phase, (ts, ds))
-            theirs = jax.lax.ppermute(mine, AXIS, [(0, 1), (1, 0)])
-            vflat = jnp.where(me == 0, mine, theirs)[:vsize]
-            grown = S.unpack(jnp.where(me == 0, theirs, mine)[:tsize], tree_layout)
-            new_snap, new_flat = snapshot_after(grown, snap, vflat)
+            def wait(args):
+                ds, snap = args
+                return ds, snap, jnp.zeros_like(flat)
+
+            ds, snap, new = jax.lax.cond(me == 1, reroot, wait, (ds, snap))
+            flat = jnp.where(me == 0, jax.lax.ppermute(new, AXIS, [(1, 0)]), new)
             done = S.unpack(vflat, vlayout).done
-            return ts, ds, new_snap, new_flat, snap, vflat, jnp.ones((), bool), done, it + 1
+            return ts, ds, snap, flat, done, it + 1
 
         # every verification emits a token per live row, so max_new of them finish any run: the
         # bound only keeps a wrong verdict from spinning forever (nothing hangs)
         limit = ts.out.shape[1]
-        false, zero = jnp.zeros((), bool), jnp.zeros((), jnp.int32)
-        init_c = (ts, ds, snap, flat, snap, jnp.zeros((vsize,), jnp.int32), false, false, zero)
-        c = jax.lax.while_loop(lambda c: ~c[7] & (c[8] < limit), body, init_c)
-        ts, ds, it = c[0], c[1], c[8]
-        # ds.carried counts the re-roots the draft made: the last verdict's is never made (the
-        # generation is over), so it can be one re-root short of the threaded loop's count
+        init_c = (ts, ds, snap, flat, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+        ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4] & (c[5] < limit), body, init_c)
         results = dict(
             out=ts.out, count=ts.count, done=ts.done, emitted=ts.emitted,
             live_steps=ts.live_steps, carried=ds.carried, recomputed=ds.recomputed, it=it,
