@@ -13,6 +13,9 @@ prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many t
 * ``fast_path_check``: greedy tokens of the fast path (the Pallas attention kernel) against the
   plain path (the jnp reference attention) on the same prompt, and of chain/tree against
   autoregressive; at a difference the target's top-2 logit gap there (bf16 near-tie rule);
+* ``fast_path_check_f32``: the losslessness rule itself on the GPU, at the first context: the
+  model in float32 with IEEE float32 dots (matmul precision "highest"; XLA's GPU default is
+  TF32), chain and tree with each draft against autoregressive decoding, tokens equal;
 * ``step_1b``: a Llama-3.2-1B-shape decode step (random weights) against its HBM floor.
 
     python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--gammas 6,8]
@@ -69,6 +72,26 @@ def compare(model, prompt, ref: list[int], got: list[int]) -> dict:
     if at is not None:
         row.update(first_difference=at, top2_logit_gap=round(top2_gap(model, prompt, ref, at), 4))
     return row
+
+
+def float32_check(ids: list[int], new: int, draft_path: str | None) -> dict:
+    """Chain and tree against autoregressive decoding with the model in float32 and float32
+    dots: greedy tokens must be equal (a difference is a bug, not a near-tie)."""
+    m32 = load(default_checkpoint(), dtype=jnp.float32)
+    drafts = {"ngram": "ngram"}
+    if draft_path:
+        from jaxspec.distill import load_draft
+
+        drafts = {"distilled": load_draft(draft_path, m32), **drafts}
+    rows = {}
+    with jax.default_matmul_precision("highest"):
+        ref = generate(m32, [ids], max_new_tokens=new).tokens[0]
+        for method, opts in (("chain", {"gamma": 8}), ("tree", {"depth": 4})):
+            for name, draft in drafts.items():
+                r = generate(m32, [ids], max_new_tokens=new, method=method, draft=draft, **opts)
+                rows[f"{method}_{name}_vs_autoregressive"] = compare(m32, ids, ref, r.tokens[0])
+    print("float32:", {k: v["identical"] for k, v in rows.items()}, flush=True)
+    return rows
 
 
 def main():
@@ -169,6 +192,8 @@ def main():
             )
         path = write("small_model.json", {**payload, "fast_path_check": checks}, args.out)
     first = int(args.contexts.split(",")[0])
+    checks_f32 = float32_check(context_ids(model, first, args.new), args.new, args.draft)
+    payload["fast_path_check_f32"] = checks_f32
     payload["ar_tok_per_s_b1"] = payload[f"ar_tok_per_s_b1_ctx{first}"]
     payload["chain_tok_per_s_b1"] = payload[f"chain_tok_per_s_b1_ctx{first}"]
     payload["tree_tok_per_s_b1"] = payload[f"tree_tok_per_s_b1_ctx{first}"]

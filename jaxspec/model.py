@@ -37,6 +37,11 @@ ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
 # 1.40 (SmolLM2) (benchmarks/results/gpu_decode.json). Results per row are unchanged.
 _ROWS_ENV = os.environ.get("JAXSPEC_MIN_GEMM_ROWS")
 MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
+# Where those rows are added: 'gemm' (each matmul pads its input and slices its output: on the
+# H200 the pads became four kernels of a SmolLM2 layer, carrying the norms and SiLU) or 'stream'
+# (the residual stream is padded once after the embedding and sliced once before the final norm,
+# so the norms feed the GEMMs directly; the zero rows stay zero). Same results per row.
+ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "gemm")
 
 
 # The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
@@ -92,6 +97,29 @@ def min_gemm_rows() -> int:
     if MIN_GEMM_ROWS is not None:
         return MIN_GEMM_ROWS
     return 8 if jax.default_backend() == "gpu" else 0
+
+
+def stream_rows(n: int) -> int | None:
+    """The padded row count of a residual stream of ``n`` rows (None: not padded)."""
+    if ROW_PADDING not in ("gemm", "stream"):
+        raise ValueError(f"JAXSPEC_ROW_PADDING must be gemm or stream; got {ROW_PADDING!r}")
+    want = min_gemm_rows()
+    if ROW_PADDING == "gemm" or FUSED_IMPL != "off" or n >= want:
+        return None
+    return want
+
+
+def tokens_of(y, b: int, t: int, *tail: int):
+    """``y`` (``[b, t, f]`` or padded rows ``[R, f]``) as ``[b, t, *tail]``: the real rows."""
+    return y.reshape(-1, y.shape[-1])[: b * t].reshape(b, t, *tail)
+
+
+def rows_like(y, like):
+    """``y [b, t, ...]`` in the layout of ``like``: ``[b, t, f]``, or ``like``'s padded rows."""
+    b, t = y.shape[:2]
+    if like.ndim == 3:
+        return y.reshape(b, t, -1)
+    return jnp.pad(y.reshape(b * t, -1), ((0, like.shape[0] - b * t), (0, 0)))
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
@@ -157,32 +185,32 @@ class Attention(nnx.Module):
         if FUSED_ATTENTION == "off" or not block.appended:
             return False
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t = block.positions.shape
         heads = cfg.num_heads + 2 * cfg.num_kv_heads
         qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), x.dtype)
         why = rope_attention.unsupported_reason(qkv, cfg.num_heads, k_cache, block.block_mask)
         return why is None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block):
-        b, t, _ = x.shape
-        cfg = self.cfg
+        """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
+        ``x``'s layout)."""
+        b, t = cos.shape[:2]
+        cfg, hd = self.cfg, self.cfg.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.fused_attention(x, k_cache, block):
             # one array, as the projection GEMM leaves it: the kernel gathers its heads
-            qkv = jnp.concatenate([q, k, v], axis=-1)
+            qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, hd)
             out, k_cache, v_cache = rope_attention.rope_attention(
-                qkv.reshape(b, t, -1, cfg.head_dim), cos, sin, k_cache, v_cache, length,
-                block.slots, block.block_mask, num_heads=cfg.num_heads,
-                interpret=FUSED_ATTENTION == "interpret",
+                qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
+                num_heads=cfg.num_heads, interpret=FUSED_ATTENTION == "interpret",
             )  # fmt: skip
-            return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
-        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            return self.o_proj(rows_like(out, x)), k_cache, v_cache
+        q = apply_rope(tokens_of(q, b, t, cfg.num_heads, hd), cos, sin)
+        k = apply_rope(tokens_of(k, b, t, cfg.num_kv_heads, hd), cos, sin)
         k_cache = write(k_cache, k, block.slots)
-        v_cache = write(v_cache, v, block.slots)
+        v_cache = write(v_cache, tokens_of(v, b, t, cfg.num_kv_heads, hd), block.slots)
         out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
-        return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+        return self.o_proj(rows_like(out, x)), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -282,13 +310,18 @@ class Transformer(nnx.Module):
     ) -> tuple[Float[Array, "b l v"], KVCache]:
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
         with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
+        b, t = tokens.shape
         x = self.embed_tokens[...][tokens]
+        rows = stream_rows(b * t)
+        if rows is not None:  # the residual stream as padded rows [rows, d]
+            x = jnp.pad(x.reshape(b * t, -1), ((0, rows - b * t), (0, 0)))
         cos, sin = rope_tables(self.cfg, block.positions)
         ks, vs = [], []
         for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
             x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block)
             ks.append(kc)
             vs.append(vc)
+        x = tokens_of(x, b, t, -1)
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x)

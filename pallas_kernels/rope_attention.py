@@ -155,6 +155,26 @@ def _kernel(
         pv = D._dot(p.astype(v.dtype), v, contract_b=0)
         return acc * alpha[:, None] + pv, m_new, ssum
 
+    # the block part's loads first, so their latency overlaps the prefix loop's: the new keys
+    # (rotated here) and values, written into the cache by the last split of the first row
+    # tile (their slots are past the prefix, which is all any program reads from the cache)
+    cols = jnp.arange(n_pad)
+    real = cols < n_new
+    valid = real & (length + cols < seq_len)
+    new_rows = real[:, None]
+    kh1 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(0, half)], mask=new_rows, other=0.0)
+    kh2 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(half, half)], mask=new_rows, other=0.0)
+    vb = plgpu.load(vn_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
+    allowed = (bm_ref[...] != 0) & valid[None, :]
+    k1, k2 = rotate(kh1, kh2, c, sn)
+    put = (valid & (slot == length + cols) & (row_tile == 0) & (split == n_splits - 1))[:, None]
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
+    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
+
     start = split * split_len
     end = jnp.minimum(start + split_len, prefix)
     n_iter = jnp.maximum(end - start + (block_k - 1), 0) // block_k
@@ -175,27 +195,8 @@ def _kernel(
     )
     carry = lax.fori_loop(0, n_iter, body, carry)
 
-    def block_part(carry):
-        cols = jnp.arange(n_pad)
-        real = cols < n_new
-        valid = real & (length + cols < seq_len)
-        rows = real[:, None]
-        kh1 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(0, half)], mask=rows, other=0.0)
-        kh2 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(half, half)], mask=rows, other=0.0)
-        v = plgpu.load(vn_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
-        c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
-        s = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=rows, other=0.0)
-        k1, k2 = rotate(kh1, kh2, c, s)
-        # the new rows into the cache: once per (row, KV head), by the first row tile
-        slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
-        put = (valid & (slot == length + cols) & (row_tile == 0))[:, None]
-        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
-        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
-        plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], v, mask=put)
-        allowed = (bm_ref[...] != 0) & valid[None, :]
-        return update(carry, k1, k2, v, allowed)
-
-    carry = lax.cond(split == n_splits - 1, block_part, lambda c: c, carry)
+    last = split == n_splits - 1
+    carry = lax.cond(last, lambda c: update(c, k1, k2, vb, allowed), lambda c: c, carry)
     acc, m, ssum = carry
     plgpu.store(o_ref, acc, mask=lanes)
     plgpu.store(m_ref, m, mask=live)

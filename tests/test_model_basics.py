@@ -63,8 +63,10 @@ def test_truncate_keeps_the_first_layers_and_the_head():
         truncate(model, 0)
 
 
-def test_min_gemm_rows_padding_keeps_results(monkeypatch):
-    """The GEMM row padding knob (JAXSPEC_MIN_GEMM_ROWS) changes kernels, not results."""
+@pytest.mark.parametrize("where", ["gemm", "stream"])
+def test_min_gemm_rows_padding_keeps_results(monkeypatch, where):
+    """The GEMM row padding knobs (JAXSPEC_MIN_GEMM_ROWS, JAXSPEC_ROW_PADDING: each matmul's
+    rows or the whole residual stream) change kernels, not results."""
     import jaxspec.model as jm
     from jaxspec.generate import generate
     from tests import tiny
@@ -74,6 +76,8 @@ def test_min_gemm_rows_padding_keeps_results(monkeypatch):
     plain_logits = np.asarray(m.logits([ps[1]]))
     plain = generate(m, ps, max_new_tokens=12).tokens
     monkeypatch.setattr(jm, "MIN_GEMM_ROWS", 8)
+    monkeypatch.setattr(jm, "ROW_PADDING", where)
+    assert jm.stream_rows(1) == (8 if where == "stream" else None) and jm.stream_rows(9) is None
     jax.clear_caches()
     from jaxspec.engines import common
 
@@ -81,6 +85,9 @@ def test_min_gemm_rows_padding_keeps_results(monkeypatch):
     np.testing.assert_allclose(np.asarray(m.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5)
     assert generate(m, ps, max_new_tokens=12).tokens == plain
     assert generate(m, ps, method="chain", draft="ngram", max_new_tokens=12).tokens == plain
+    assert generate(m, ps, method="tree", draft="ngram", max_new_tokens=12).tokens == plain
+    common._COMPILED.clear()
+    jax.clear_caches()
 
 
 def test_bf16_model_logits_keep_float32_precision():

@@ -156,9 +156,12 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
     assert 1 in calls and max(calls) > 1  # decode steps and verifies took it
 
 
-def test_model_logits_with_the_fused_kernel(monkeypatch):
+@pytest.mark.parametrize("padding", ["gemm", "stream"])
+def test_model_logits_with_the_fused_kernel(monkeypatch, padding):
     """The tokens of tiny random models barely depend on attention, so the same steps are also
-    compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify."""
+    compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify.
+    With the residual stream padded to 8 rows too (the GPU's setting), where the kernel takes
+    the real rows of the padded projections."""
     import jaxspec.model as model_module
     from jaxspec.kv_cache import init_cache
 
@@ -181,6 +184,8 @@ def test_model_logits_with_the_fused_kernel(monkeypatch):
 
     plain_logits, plain_cache = run()
     monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
+    monkeypatch.setattr(model_module, "MIN_GEMM_ROWS", 8)
+    monkeypatch.setattr(model_module, "ROW_PADDING", padding)
     jax.clear_caches()
     try:
         fused_logits, fused_cache = run()

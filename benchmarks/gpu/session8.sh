@@ -12,9 +12,15 @@
 #          the plain step; the 8B/1B steps with it (issue 6).
 #   call 3 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K with the
 #          settings call 2 showed fastest: FUSED=pallas|off, XLAX="extra XLA flags".
+#          (Ran at 6e486ea with FUSED=pallas: small_model.json.)
 #   call 4 (no carry, within 30 s, two GPUs): the end-to-end table (bench_spec_core --set e2e).
+#   call 5 (carry .carry1 .whl): stash the GGUF's first half; the fused kernel with its block
+#          part's loads hoisted, checked on the GPU; the SmolLM2-shape step with the residual
+#          stream padded once (JAXSPEC_ROW_PADDING=stream) against per-GEMM pads, with and
+#          without the fused kernel; the 8B/1B steps with both. Then call 3 again with the
+#          fastest (ROWS=stream|gemm, FUSED=pallas|off).
 #
-#   bash benchmarks/gpu/session8.sh 1|2|3|4
+#   bash benchmarks/gpu/session8.sh 1|2|3|4|5
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; the environment from the caller
@@ -92,6 +98,7 @@ PY
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
   echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf JAXSPEC_FUSED_ATTENTION="${FUSED:-off}"
+  export JAXSPEC_ROW_PADDING="${ROWS:-gemm}"
   [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
   timeout 570 python3 benchmarks/bench_small_model.py \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
@@ -103,5 +110,28 @@ PY
   timeout 420 python3 benchmarks/bench_spec_core.py --set e2e \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --prompts 8 --new 128 \
     --out "$OUT/spec_e2e_gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -14
+  ;;
+5)
+  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target ~/site .whl/*.whl
+  timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
+  probe plain_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_FUSED_ATTENTION=pallas probe qkv_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_ROW_PADDING=stream probe stream_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_ROW_PADDING=stream JAXSPEC_FUSED_ATTENTION=pallas probe qkv_stream_b1_c1024 \
+    --batch 1 --context 1024 --steps 32
+  JAXSPEC_ROW_PADDING=stream JAXSPEC_FUSED_ATTENTION=pallas probe qkv_stream_b1_c4096 \
+    --batch 1 --context 4096 --steps 32
+  J="$OUT/decode_rows.json"
+  JAXSPEC_LABEL=qkv_stream JAXSPEC_FUSED_ATTENTION=pallas JAXSPEC_ROW_PADDING=stream \
+    timeout 120 python3 benchmarks/bench_decode_gpu.py --budget-s 60 \
+    --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 | grep -v "^W0000\|^I0000\|^{" | tail -3
+  python3 - "$J" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
+PY
+  ls "$OUT"
   ;;
 esac
