@@ -18,6 +18,7 @@ JSON (``--out``) as each case finishes, so a timeout keeps what was measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,7 +32,7 @@ from benchmarks.common import metadata
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model import apply, new_model
+from jaxspec.model import apply, fused_kernels_off, new_model
 from jaxspec.timing import median_ms
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
@@ -139,7 +140,9 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
     tok = jnp.zeros((case.batch, case.t), jnp.int32)
     loop = make_loop(model.graphdef, steps, case.t)
     t0 = time.perf_counter()
-    exe = loop.lower(params, cache, tok).compile()
+    # sharded weights: no fused kernels (they have no partitioning rule), as the engines do
+    with fused_kernels_off() if case.tp > 1 else contextlib.nullcontext():
+        exe = loop.lower(params, cache, tok).compile()
     compile_s = time.perf_counter() - t0
     text = exe.as_text()
     counts = kernel_count(text)

@@ -3,7 +3,11 @@
 Writes ``small_model.json`` with, at contexts 1024 and 4096 (a prompt of real text, HumanEval
 prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many tokens by the end):
 
-* ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy;
+* ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy; every
+  ``*_tok_per_s*`` counts the whole call, the prompt's prefill included;
+* ``first_token_ms_ctx*`` (a one-token call: the prefill) and ``*_decode_tok_per_s_b1_ctx*``
+  (tokens after the first over the time after it: the call less a one-token call), with
+  ``*_decode_over_ar_ctx*``: the decoding rates without the prefill that every method shares;
 * ``chain_tok_per_s_b1_ctx*`` / ``tree_tok_per_s_b1_ctx*``: with each draft given (the distilled
   draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported. With
   ``--gammas``, chain runs at each gamma too (``chain_<draft>_ctx*_gamma<g>_*``) and each draft's
@@ -45,11 +49,17 @@ def context_ids(model, ctx: int, new: int) -> list[int]:
 
 
 def timed(model, ids, new, repeats, **kw):
-    """(median tokens/s, last result); the first call compiles."""
+    """(median tokens/s, last result); the first call compiles. Tokens/s counts the whole call:
+    the prompt's prefill (time to the first token) and the decoding."""
     generate(model, [ids], max_new_tokens=new, **kw)
     runs = [generate(model, [ids], max_new_tokens=new, **kw) for _ in range(repeats)]
     tps = statistics.median(r.stats["tokens_per_s"] for r in runs)
     return tps, runs[-1]
+
+
+def decode_rate(tps: float, new: int, first_s: float) -> float:
+    """Tokens/s after the first token: the call's time less a one-token call's (the prefill)."""
+    return (new - 1) / max(new / tps - first_s, 1e-9)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -135,10 +145,19 @@ def main():
         ids = context_ids(model, ctx, args.new)
         ar_tps, ar = timed(model, ids, args.new, args.repeats)
         payload[f"ar_tok_per_s_b1_ctx{ctx}"] = round(ar_tps, 1)
-        print(f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s", flush=True)
+        first_s = 1.0 / timed(model, ids, 1, args.repeats)[0]  # prefill + the first token
+        payload[f"first_token_ms_ctx{ctx}"] = round(1e3 * first_s, 2)
+        ar_decode = decode_rate(ar_tps, args.new, first_s)
+        payload[f"ar_decode_tok_per_s_b1_ctx{ctx}"] = round(ar_decode, 1)
+        print(
+            f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s; first token {1e3 * first_s:.1f} ms, "
+            f"then {ar_decode:.1f} tok/s",
+            flush=True,
+        )
         gammas = sorted({args.gamma, *(int(g) for g in (args.gammas or "").split(",") if g)})
         runs = [("chain", {"gamma": g}) for g in gammas] + [("tree", {"depth": 4})]
         best: dict[str, float] = {}
+        best_decode: dict[str, float] = {}
         for method, opts in runs:
             for name, draft in drafts.items():
                 t0 = time.perf_counter()
@@ -164,6 +183,8 @@ def main():
                         model, ids, ar.tokens[0], r.tokens[0]
                     )
                 best[method] = max(best.get(method, 0.0), tps)
+                rate = decode_rate(tps, args.new, first_s)
+                best_decode[method] = max(best_decode.get(method, 0.0), rate)
                 acc = r.stats["acceptance_length"]
                 took = time.perf_counter() - t0
                 print(
@@ -174,6 +195,9 @@ def main():
         for method, tps in best.items():
             payload[f"{method}_tok_per_s_b1_ctx{ctx}"] = round(tps, 1)
             payload[f"{method}_over_ar_ctx{ctx}"] = round(tps / ar_tps, 2)
+            rate = best_decode[method]
+            payload[f"{method}_decode_tok_per_s_b1_ctx{ctx}"] = round(rate, 1)
+            payload[f"{method}_decode_over_ar_ctx{ctx}"] = round(rate / ar_decode, 2)
         if ctx == int(args.contexts.split(",")[0]):
             # the plain path: the jnp reference attention instead of the Pallas kernel
             import jaxspec.model as jm

@@ -37,11 +37,13 @@ ATTENTION_IMPL = os.environ.get("JAXSPEC_ATTENTION", "auto")
 # 1.40 (SmolLM2) (benchmarks/results/gpu_decode.json). Results per row are unchanged.
 _ROWS_ENV = os.environ.get("JAXSPEC_MIN_GEMM_ROWS")
 MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
-# Where those rows are added: 'gemm' (each matmul pads its input and slices its output: on the
-# H200 the pads became four kernels of a SmolLM2 layer, carrying the norms and SiLU) or 'stream'
-# (the residual stream is padded once after the embedding and sliced once before the final norm,
-# so the norms feed the GEMMs directly; the zero rows stay zero). Same results per row.
-ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "gemm")
+# Where those rows are added: 'stream' (the default: the residual stream is padded once after the
+# embedding and sliced once before the final norm, so the norms feed the GEMMs directly; the zero
+# rows stay zero) or 'gemm' (each matmul pads its input and slices its output: on the H200 the
+# pads became four kernels of a SmolLM2 layer, carrying the norms and SiLU). Same results per
+# row; with the fused attention kernel, 'stream' took the SmolLM2-shape step from 0.941 to
+# 0.827 ms (benchmarks/notes/small_step_probe.md).
+ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "stream")
 
 
 # The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
@@ -52,15 +54,18 @@ ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "gemm")
 # 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
 FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 # The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) for appended
-# blocks (decode steps, chain and tree verifies): 'off' (the default until it is measured on a
-# GPU), 'pallas', 'interpret' (CPU tests). One device only: it has no partitioning rule.
-FUSED_ATTENTION = os.environ.get("JAXSPEC_FUSED_ATTENTION", "off")
+# blocks (decode steps, chain and tree verifies): 'auto' (the default: on GPU, unless the program
+# is traced for sharded weights, as it has no partitioning rule; on the H200 it took the
+# SmolLM2-shape step from 1.023 to 0.941 ms and 121 of its 491 kernels away), 'off', 'pallas',
+# 'interpret' (CPU tests).
+FUSED_ATTENTION = os.environ.get("JAXSPEC_FUSED_ATTENTION", "auto")
 _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def fused_linear_off():
-    """Trace without the fused projection kernels (in this thread): for sharded weights."""
+def fused_kernels_off():
+    """Trace without the fused kernels (projections and attention; in this thread): for sharded
+    weights, which their Pallas calls cannot take."""
     before = getattr(_LOCAL, "off", False)
     _LOCAL.off = True
     try:
@@ -175,21 +180,24 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def fused_attention(self, x, k_cache, block: Block) -> bool:
-        """Whether this step takes the fused RoPE + cache write + attention kernel."""
-        if FUSED_ATTENTION not in ("off", "pallas", "interpret"):
+    def fused_attention(self, x, k_cache, block: Block) -> str | None:
+        """'pallas' / 'interpret' when this step takes the fused RoPE + cache write + attention
+        kernel, else None."""
+        mode = FUSED_ATTENTION
+        if mode not in ("off", "auto", "pallas", "interpret"):
             raise ValueError(
-                "JAXSPEC_FUSED_ATTENTION must be one of off, pallas, interpret; "
-                f"got {FUSED_ATTENTION!r}"
+                f"JAXSPEC_FUSED_ATTENTION must be one of off, auto, pallas, interpret; got {mode!r}"
             )
-        if FUSED_ATTENTION == "off" or not block.appended:
-            return False
+        if mode == "auto":
+            mode = "pallas" if jax.default_backend() == "gpu" else "off"
+        if mode == "off" or getattr(_LOCAL, "off", False) or not block.appended:
+            return None
         cfg = self.cfg
         b, t = block.positions.shape
         heads = cfg.num_heads + 2 * cfg.num_kv_heads
         qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), x.dtype)
         why = rope_attention.unsupported_reason(qkv, cfg.num_heads, k_cache, block.block_mask)
-        return why is None
+        return mode if why is None else None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block):
         """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
@@ -197,12 +205,13 @@ class Attention(nnx.Module):
         b, t = cos.shape[:2]
         cfg, hd = self.cfg, self.cfg.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.fused_attention(x, k_cache, block):
+        mode = self.fused_attention(x, k_cache, block)
+        if mode is not None:
             # one array, as the projection GEMM leaves it: the kernel gathers its heads
             qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, hd)
             out, k_cache, v_cache = rope_attention.rope_attention(
                 qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
-                num_heads=cfg.num_heads, interpret=FUSED_ATTENTION == "interpret",
+                num_heads=cfg.num_heads, interpret=mode == "interpret",
             )  # fmt: skip
             return self.o_proj(rows_like(out, x)), k_cache, v_cache
         q = apply_rope(tokens_of(q, b, t, cfg.num_heads, hd), cos, sin)

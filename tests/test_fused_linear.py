@@ -112,7 +112,7 @@ def test_dispatch(monkeypatch):
     monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
     assert jm.fused_mode(rows, w) == "interpret"
     assert jm.fused_mode(jnp.zeros((fl.MAX_ROWS + 1, 16)), w) is None
-    with jm.fused_linear_off():
+    with jm.fused_kernels_off():
         assert jm.fused_mode(rows, w) is None
     assert jm.fused_mode(rows, w) == "interpret"
     monkeypatch.setattr(jm, "FUSED_IMPL", "fast")

@@ -116,8 +116,9 @@ def test_query_rows_are_gathered_per_token_and_head():
 
 
 def test_model_tokens_with_the_fused_kernel(monkeypatch):
-    """JAXSPEC_FUSED_ATTENTION=interpret: autoregressive, chain and tree decoding (decode steps,
-    chain and tree verifies all take the kernel) give the plain path's greedy tokens, float32."""
+    """JAXSPEC_FUSED_ATTENTION=interpret, with the residual stream padded as on a GPU:
+    autoregressive, chain, tree and MagicDec decoding (decode steps, chain and tree verifies and
+    the sparse drafts' steps take the kernel) give the plain path's greedy tokens, float32."""
     import jaxspec.model as model_module
     from jaxspec.engines import common
     from jaxspec.generate import generate
@@ -131,6 +132,9 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
         dict(method="chain", draft="ngram", gamma=3),
         dict(method="tree", draft="ngram", depth=3),
         dict(method="chain", draft=tiny.perturbed(target, 0.3, 3), gamma=3),
+        # sparse drafts: the streaming ring's steps and SnapKV's selection over a fused prefill
+        dict(method="magicdec", draft="self-streaming", gamma=2, budget=18, sinks=2),
+        dict(method="magicdec", draft="self-snapkv", gamma=2, budget=24),
     ]
     plain = [generate(target, ps, max_new_tokens=12, **kw).tokens for kw in runs]
 
@@ -146,6 +150,7 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
         jax.clear_caches()
 
     monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
+    monkeypatch.setattr(model_module, "MIN_GEMM_ROWS", 8)
     monkeypatch.setattr(R, "rope_attention", counted)
     forget()
     try:

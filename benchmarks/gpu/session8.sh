@@ -19,8 +19,13 @@
 #          stream padded once (JAXSPEC_ROW_PADDING=stream) against per-GEMM pads, with and
 #          without the fused kernel; the 8B/1B steps with both. Then call 3 again with the
 #          fastest (ROWS=stream|gemm, FUSED=pallas|off).
+#          (Ran at 3d88e27; then call 3 with FUSED=pallas ROWS=stream.)
+#   call 6 (carry .carry1 .whl): stash the GGUF's first half; the SmolLM2-shape step with the
+#          defaults (both now on for one GPU). Then call 7 within 30 s (carry .carry2): the
+#          small-model bench with the defaults (no switches set), with its first-token and
+#          decode-only rates; 2 repeats and no 1B step, for the device time left.
 #
-#   bash benchmarks/gpu/session8.sh 1|2|3|4|5
+#   bash benchmarks/gpu/session8.sh 1|2|3|4|5|6|7
 set -u
 source benchmarks/gpu/env.sh
 probe() {  # label, then probe_small arguments; the environment from the caller
@@ -133,5 +138,19 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
 PY
   ls "$OUT"
+  ;;
+6)
+  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target ~/site .whl/*.whl
+  probe defaults_b1_c1024 --batch 1 --context 1024 --steps 32
+  ;;
+7)
+  cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
+  echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  timeout 400 python3 benchmarks/bench_small_model.py \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 2 --gammas 8 \
+    --skip-1b --out "$OUT/small_model.json" 2>&1 | grep -v "^W0000\|^I0000" | grep -v "it/s\]" | tail -24
   ;;
 esac

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.kv_cache import KVCache, causal_block
-from jaxspec.model import apply, fused_linear_off
+from jaxspec.model import apply, fused_kernels_off
 
 PREFILL_CHUNK = 256
 LOOP_CHUNK_ENV = "JAXSPEC_LOOP_CHUNK"
@@ -169,7 +169,7 @@ def compiled(fn, *args, **static):
             len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves
         )
         # sharded weights (tensor parallel): the fused projection kernels would see whole weights
-        with fused_linear_off() if sharded else contextlib.nullcontext(), Timer() as t:
+        with fused_kernels_off() if sharded else contextlib.nullcontext(), Timer() as t:
             exe = fn.lower(*args, **static).compile()
         if len(_COMPILED) > 64:
             _COMPILED.clear()
