@@ -5,8 +5,8 @@ prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many t
 
 * ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy; every
   ``*_tok_per_s*`` counts the whole call, the prompt's prefill included;
-* ``first_token_ms_ctx*`` (a one-token call: the prefill) and ``*_decode_tok_per_s_b1_ctx*``
-  (tokens after the first over the time after it: the call less a one-token call), with
+* ``first_token_ms_ctx*`` (a one-token call) and ``*_decode_tok_per_s_b1_ctx*`` (the tokens
+  a call makes beyond a half-length call over the time it takes beyond it), with
   ``*_decode_over_ar_ctx*``: the decoding rates without the prefill that every method shares;
 * ``chain_tok_per_s_b1_ctx*`` / ``tree_tok_per_s_b1_ctx*``: with each draft given (the distilled
   draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported. With
@@ -57,9 +57,20 @@ def timed(model, ids, new, repeats, **kw):
     return tps, runs[-1]
 
 
-def decode_rate(tps: float, new: int, first_s: float) -> float:
-    """Tokens/s after the first token: the call's time less a one-token call's (the prefill)."""
-    return (new - 1) / max(new / tps - first_s, 1e-9)
+def decode_rate(tps: float, new: int, half_tps: float) -> float:
+    """Tokens/s of decoding alone: the tokens a ``new``-token call makes beyond a ``new // 2``
+    call over the time it takes beyond it (the prefill and fixed costs are the same program's,
+    so they cancel)."""
+    half = new // 2
+    return (new - half) / max(new / tps - half / half_tps, 1e-9)
+
+
+def decode_only(tps, halves: dict, label: str, model, ids, new, repeats, **kw) -> float:
+    """``decode_rate`` of a call that made ``tps``, timing its half-length call once per
+    ``label`` (kept in ``halves``)."""
+    if label not in halves:
+        halves[label] = timed(model, ids, new // 2, repeats, **kw)[0]
+    return decode_rate(tps, new, halves[label])
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -147,11 +158,12 @@ def main():
         payload[f"ar_tok_per_s_b1_ctx{ctx}"] = round(ar_tps, 1)
         first_s = 1.0 / timed(model, ids, 1, args.repeats)[0]  # prefill + the first token
         payload[f"first_token_ms_ctx{ctx}"] = round(1e3 * first_s, 2)
-        ar_decode = decode_rate(ar_tps, args.new, first_s)
+        halves = {}  # each call again at half the tokens, for the decode-only rates
+        ar_decode = decode_only(ar_tps, halves, "ar", model, ids, args.new, args.repeats)
         payload[f"ar_decode_tok_per_s_b1_ctx{ctx}"] = round(ar_decode, 1)
         print(
-            f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s; first token {1e3 * first_s:.1f} ms, "
-            f"then {ar_decode:.1f} tok/s",
+            f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s; first token {1e3 * first_s:.1f} ms; "
+            f"decoding alone {ar_decode:.1f} tok/s",
             flush=True,
         )
         gammas = sorted({args.gamma, *(int(g) for g in (args.gammas or "").split(",") if g)})
@@ -183,8 +195,12 @@ def main():
                         model, ids, ar.tokens[0], r.tokens[0]
                     )
                 best[method] = max(best.get(method, 0.0), tps)
-                rate = decode_rate(tps, args.new, first_s)
-                best_decode[method] = max(best_decode.get(method, 0.0), rate)
+                label = f"{method}_{name}_{opts}"
+                dec = decode_only(
+                    tps, halves, label, model, ids, args.new, args.repeats,
+                    method=method, draft=draft, **opts,
+                )  # fmt: skip
+                best_decode[method] = max(best_decode.get(method, 0.0), dec)
                 acc = r.stats["acceptance_length"]
                 took = time.perf_counter() - t0
                 print(

@@ -44,9 +44,11 @@ ORDER = [
     "distill",
     "ar_gpu",
     "small_model",
+    "small_model_defaults",
     "small_model_1k",
     "gamma_sweep_cpu",
     "small_step_probe",
+    "small_step_probe_s8",
     "spec_core_gpu",
     "bench_h200",
     "bench_h200_peers",
@@ -58,6 +60,7 @@ ORDER = [
     "swiftspec_2gpu_loops",
     "swiftspec_2gpu_loops_d3",
     "gpu_decode",
+    "gpu_decode_s8",
     "kernels_h200",
 ]
 TITLES = {

@@ -28,8 +28,9 @@ token ``j``. That is a decode step, a chain verify and the target's tree verify;
 expansion (whose block window holds earlier nodes) takes ``decode_attention``.
 
 The result equals ``reference`` (RoPE, ``kv_cache.write``, ``attention.attend``); the combine of
-the splits is ``decode_attention.combine``. Opt-in for the model: ``JAXSPEC_FUSED_ATTENTION``
-(``jaxspec/model.py``), one device only (no partitioning rule).
+the splits is ``decode_attention.combine``. The model takes it by default on a GPU
+(``JAXSPEC_FUSED_ATTENTION=auto`` in ``jaxspec/model.py``), except in programs over sharded
+weights: it has no partitioning rule.
 """
 
 from __future__ import annotations
