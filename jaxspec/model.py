@@ -42,7 +42,7 @@ MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
 # rows stay zero) or 'gemm' (each matmul pads its input and slices its output: on the H200 the
 # pads became four kernels of a SmolLM2 layer, carrying the norms and SiLU). Same results per
 # row; with the fused attention kernel, 'stream' took the SmolLM2-shape step from 0.941 to
-# 0.827 ms (benchmarks/notes/small_step_probe.md).
+# 0.827 ms (benchmarks/notes/small_step_probe_s8.md).
 ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "stream")
 
 
@@ -56,8 +56,8 @@ FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 # The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) for appended
 # blocks (decode steps, chain and tree verifies): 'auto' (the default: on GPU, unless the program
 # is traced for sharded weights, as it has no partitioning rule; on the H200 it took the
-# SmolLM2-shape step from 1.023 to 0.941 ms and 121 of its 491 kernels away), 'off', 'pallas',
-# 'interpret' (CPU tests).
+# SmolLM2-shape step from 1.023 to 0.941 ms and 121 of its 491 kernels away: small_step_probe_s8),
+# 'off', 'pallas', 'interpret' (CPU tests).
 FUSED_ATTENTION = os.environ.get("JAXSPEC_FUSED_ATTENTION", "auto")
 _LOCAL = threading.local()
 

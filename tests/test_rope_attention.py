@@ -204,3 +204,33 @@ def tiny_model(seed, changes):
     from tests import tiny
 
     return tiny.model(seed, **changes)
+
+
+def test_dispatch_modes(monkeypatch):
+    """auto: the kernel on GPU only; never in programs traced for sharded weights, never for a
+    block that is not appended; a bad setting is an error that names the choices."""
+    import dataclasses
+
+    from flax import nnx
+
+    import jaxspec.model as jm
+
+    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
+    m = tiny_model(0, changes)
+    att = nnx.merge(m.graphdef, m.params).layers[0].self_attn
+    x = jnp.zeros((1, 1, 96), jnp.float32)
+    cache = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    block = causal_block(
+        jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), 1
+    )
+    on_gpu = jax.default_backend() == "gpu"
+    assert att.fused_attention(x, cache, block) == ("pallas" if on_gpu else None)  # auto
+    monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
+    assert att.fused_attention(x, cache, block) == "interpret"
+    with jm.fused_kernels_off():
+        assert att.fused_attention(x, cache, block) is None
+    assert att.fused_attention(x, cache, dataclasses.replace(block, appended=False)) is None
+    assert att.fused_attention(x.astype(jnp.bfloat16), cache, block) is None  # dtype mismatch
+    monkeypatch.setattr(jm, "FUSED_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="off, auto, pallas, interpret"):
+        att.fused_attention(x, cache, block)

@@ -38,28 +38,36 @@ r=json.loads(t[i:t.rfind('}')+1])
 print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
 print('   top', r.get('top'), r.get('trace_error',''))"
 }
-case "${1:?call 1 to 4}" in
-1)
+J="$OUT/decode_rows.json"
+decode() {  # issue 6's 8B and 1B steps, the environment (JAXSPEC_LABEL, switches) from the caller
+  timeout 120 python3 benchmarks/bench_decode_gpu.py --budget-s 60 \
+    --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 | grep -v "^W0000\|^I0000\|^{" | tail -3
+}
+stash() {  # the GGUF's first half into the home folder (for a later call), the gguf wheel
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
+}
+decode_table() {
+  python3 - "$J" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
+PY
+}
+case "${1:?call 1 to 7}" in
+1)
+  stash
   timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
   probe plain_b1_c1024 --batch 1 --context 1024 --steps 32
   JAXSPEC_FUSED_ATTENTION=pallas probe fused_b1_c1024 --batch 1 --context 1024 --steps 32
   JAXSPEC_MIN_GEMM_ROWS=1 probe rows1_b1_c1024 --batch 1 --context 1024 --steps 32
   JAXSPEC_MIN_GEMM_ROWS=1 JAXSPEC_FUSED_ATTENTION=pallas probe rows1_fused_b1_c1024 \
     --batch 1 --context 1024 --steps 32
-  J="$OUT/decode_rows.json"
   for f in off pallas; do  # issue 6's 8B and 1B steps with and without the fused kernel
-    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f timeout 120 python3 benchmarks/bench_decode_gpu.py \
-      --budget-s 60 --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 \
-      | grep -v "^W0000\|^I0000\|^{" | tail -3
+    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f decode
   done
-  python3 - "$J" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
-PY
+  decode_table
   if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
     timeout 200 python3 benchmarks/bench_swiftspec_2gpu.py --loops-only 2 \
       --out "$OUT/swiftspec_2gpu_loops.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -5
@@ -72,9 +80,7 @@ PY
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
   ;;
 2)
-  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target ~/site .whl/*.whl
+  stash
   timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
   SK=--xla_gpu_enable_split_k_autotuning=false
   SM=--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true
@@ -86,17 +92,10 @@ PY
   XLA_FLAGS="$SK $SM" JAXSPEC_FUSED_ATTENTION=pallas probe qkv_nosplitk_softmax_b1_c1024 --batch 1 --context 1024 --steps 32
   probe plain_b1_c4096 --batch 1 --context 4096 --steps 32
   JAXSPEC_FUSED_ATTENTION=pallas probe qkv_b1_c4096 --batch 1 --context 4096 --steps 32
-  J="$OUT/decode_rows.json"
   for f in off pallas; do  # issue 6's 8B and 1B steps with and without the fused kernel
-    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f timeout 120 python3 benchmarks/bench_decode_gpu.py \
-      --budget-s 60 --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 \
-      | grep -v "^W0000\|^I0000\|^{" | tail -3
+    JAXSPEC_LABEL=$f JAXSPEC_FUSED_ATTENTION=$f decode
   done
-  python3 - "$J" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
-PY
+  decode_table
   ls "$OUT"
   ;;
 3)
@@ -117,9 +116,7 @@ PY
     --out "$OUT/spec_e2e_gpu.json" 2>&1 | grep -v "^W0000\|^I0000" | tail -14
   ;;
 5)
-  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target ~/site .whl/*.whl
+  stash
   timeout 150 python3 benchmarks/gpu/check_rope_attention.py 2>&1 | grep -v "^W0000\|^I0000"
   probe plain_b1_c1024 --batch 1 --context 1024 --steps 32
   JAXSPEC_FUSED_ATTENTION=pallas probe qkv_b1_c1024 --batch 1 --context 1024 --steps 32
@@ -128,21 +125,12 @@ PY
     --batch 1 --context 1024 --steps 32
   JAXSPEC_ROW_PADDING=stream JAXSPEC_FUSED_ATTENTION=pallas probe qkv_stream_b1_c4096 \
     --batch 1 --context 4096 --steps 32
-  J="$OUT/decode_rows.json"
-  JAXSPEC_LABEL=qkv_stream JAXSPEC_FUSED_ATTENTION=pallas JAXSPEC_ROW_PADDING=stream \
-    timeout 120 python3 benchmarks/bench_decode_gpu.py --budget-s 60 \
-    --cases 8b:1:4096:1,8b:1:4096:16,1b:1:4096:1 --out "$J" 2>&1 | grep -v "^W0000\|^I0000\|^{" | tail -3
-  python3 - "$J" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"{r['label']:>8} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f}" if "ms_per_step" in r else r["error"][:150]))
-PY
+  JAXSPEC_LABEL=qkv_stream JAXSPEC_FUSED_ATTENTION=pallas JAXSPEC_ROW_PADDING=stream decode
+  decode_table
   ls "$OUT"
   ;;
 6)
-  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target ~/site .whl/*.whl
+  stash
   probe defaults_b1_c1024 --batch 1 --context 1024 --steps 32
   ;;
 7)

@@ -168,7 +168,8 @@ def compiled(fn, *args, **static):
         sharded = any(
             len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves
         )
-        # sharded weights (tensor parallel): the fused projection kernels would see whole weights
+        # sharded weights (tensor parallel, or SwiftSpec's two-device program): the fused Pallas
+        # kernels (projections, attention) have no partitioning rule, so they stay out
         with fused_kernels_off() if sharded else contextlib.nullcontext(), Timer() as t:
             exe = fn.lower(*args, **static).compile()
         if len(_COMPILED) > 64:
