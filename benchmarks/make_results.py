@@ -45,6 +45,7 @@ ORDER = [
     "ar_gpu",
     "small_model",
     "small_model_defaults",
+    "small_model_fused_6e486ea",
     "small_model_1k",
     "gamma_sweep_cpu",
     "small_step_probe",
