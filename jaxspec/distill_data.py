@@ -82,10 +82,11 @@ def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]
 
 def _width(n: int) -> int:
     """The padded prompt width ``pad_prompts`` would pick: the engines' prefill runs over
-    ``width // PREFILL_CHUNK`` chunks, so past one chunk the width is a multiple of it."""
-    from jaxspec.engines.common import PREFILL_CHUNK
+    ``width // prefill_chunk()`` chunks, so past one chunk the width is a multiple of it."""
+    from jaxspec.engines.common import prefill_chunk
 
-    m = 16 if n <= PREFILL_CHUNK else PREFILL_CHUNK
+    chunk = prefill_chunk()
+    m = 16 if n <= chunk else chunk
     return -(-n // m) * m
 
 

@@ -39,6 +39,7 @@ NUM_SMS = 132
 # Tiling overrides for A/B runs on a GPU (unset: the defaults of ``plan``).
 _ENV_BLOCK_K = os.environ.get("JAXSPEC_ATTN_BLOCK_K")
 _ENV_STAGES = os.environ.get("JAXSPEC_ATTN_STAGES")
+_ENV_MIN_SPLIT = os.environ.get("JAXSPEC_ATTN_MIN_SPLIT")
 # Finite "minus infinity" for running maxima, so a fully masked tile gives exp(-inf - m) = 0
 # rather than NaN.
 _NEG = -1e30
@@ -98,6 +99,20 @@ def _dot(a, b, *, contract_b: int):
     )
 
 
+def online_update(q, carry, k, v, allowed, *, scale: float):
+    """One KV tile of the online softmax: fold ``k, v [block_k, hd]`` (where ``allowed
+    [rows, block_k]``) into the running ``(acc, max, sumexp)`` of the query rows ``q``."""
+    acc, m, ssum = carry
+    s = _dot(q, k, contract_b=1) * scale
+    s = jnp.where(allowed, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    ssum = ssum * alpha + jnp.sum(p, axis=1)
+    pv = _dot(p.astype(v.dtype), v, contract_b=0)
+    return acc * alpha[:, None] + pv, m_new, ssum
+
+
 def _kernel(
     len_ref,
     q_ref,
@@ -124,17 +139,7 @@ def _kernel(
     prefix = jnp.minimum(length, seq_len)
     q = q_ref[...]  # [block_m, hd]
     hd = q.shape[-1]
-
-    def update(carry, k, v, allowed):
-        acc, m, ssum = carry
-        s = _dot(q, k, contract_b=1) * scale
-        s = jnp.where(allowed, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        ssum = ssum * alpha + jnp.sum(p, axis=1)
-        pv = _dot(p.astype(v.dtype), v, contract_b=0)
-        return acc * alpha[:, None] + pv, m_new, ssum
+    update = functools.partial(online_update, q, scale=scale)
 
     start = split * split_len
     end = jnp.minimum(start + split_len, prefix)
@@ -185,14 +190,17 @@ def plan(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    min_split: int = 256,
+    min_split: int | None = None,
     head_dim: int = 128,
 ) -> dict:
     """Static tiling: row padding, row tile, KV block, number and length of prefix splits, Triton
     warps and pipeline stages. Defaults were picked on an H200 (bf16): KV blocks of 8192
     elements (64 slots of Llama-3-8B's 128-wide heads, 128 of SmolLM2's 64-wide ones), 4 warps,
     2 stages for decode-sized tiles and 3 once a row tile has 64 rows or a KV block 128 slots.
-    ``JAXSPEC_ATTN_BLOCK_K`` / ``JAXSPEC_ATTN_STAGES`` override the defaults (A/B runs)."""
+    Prefix splits are no shorter than ``min_split`` slots (default 256).
+    ``JAXSPEC_ATTN_BLOCK_K`` / ``JAXSPEC_ATTN_STAGES`` / ``JAXSPEC_ATTN_MIN_SPLIT`` override the
+    defaults (A/B runs)."""
+    min_split = min_split or (int(_ENV_MIN_SPLIT) if _ENV_MIN_SPLIT else 256)
     m_pad = max(16, _next_pow2(rows))
     block_m = min(m_pad, block_m or 64)
     m_tiles = m_pad // block_m

@@ -4,12 +4,13 @@
 ``jaxspec.attention.attend``. ``impl``:
 
 - ``"reference"``: the pure-jnp ``attend`` (any backend, any shape);
-- ``"pallas"``: the Pallas split-K kernel, compiled for the GPU (raises off GPU or on shapes it
-  does not take);
-- ``"pallas_interpret"``: the same kernel through the Pallas interpreter (CPU tests; slow);
+- ``"pallas"``: a Pallas kernel compiled for the GPU: the split-K decode kernel
+  (``decode_attention``) for 1 <= T <= 64 queries and block size N <= 128, the flash kernel
+  (``prefill_attention``: prefill chunks) for wider blocks (raises off GPU or on shapes neither
+  takes);
+- ``"pallas_interpret"``: the same kernels through the Pallas interpreter (CPU tests; slow);
 - ``"auto"``: ``"pallas"`` when ``jax.default_backend() == "gpu"`` and the shapes fit (head_dim in
-  {64, 128}; 1 <= T <= 64; block size N <= 128; q, k, v one of bf16/f16/f32), else
-  ``"reference"``.
+  {64, 128}; q, k, v one of bf16/f16/f32), else ``"reference"``.
 
 Everything is decided from static shapes and dtypes, so it works under ``jax.jit``.
 
@@ -31,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.attention import attend
+from pallas_kernels import prefill_attention as P
 from pallas_kernels.decode_attention import decode_attention, unsupported_reason
 
 Impl = Literal["auto", "reference", "pallas", "pallas_interpret"]
@@ -43,7 +45,10 @@ def choose_impl(q, k, v, block_mask, impl: str = "auto") -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    if jax.default_backend() == "gpu" and unsupported_reason(q, k, v, block_mask) is None:
+    if jax.default_backend() == "gpu" and (
+        unsupported_reason(q, k, v, block_mask) is None
+        or P.unsupported_reason(q, k, v, block_mask) is None
+    ):
         return "pallas"
     return "reference"
 
@@ -71,7 +76,9 @@ def attention(
 
 
 def _kernel(q, k, v, length, block_mask, interpret):
-    return decode_attention(q, k, v, length, block_mask, interpret=interpret)
+    if unsupported_reason(q, k, v, block_mask) is None:
+        return decode_attention(q, k, v, length, block_mask, interpret=interpret)
+    return P.prefill_attention(q, k, v, length, block_mask, interpret=interpret)
 
 
 _partitioned_kernel = custom_partitioning(_kernel, static_argnums=(5,))

@@ -107,6 +107,13 @@ def main():
                     for k, v in by.most_common(14)
                 ],
             )
+            # about two layers' kernels in issue order, from the middle of the trace
+            per_layer = max(1, len(ev) // args.steps // cfg.num_layers)
+            mid = len(ev) // 2
+            row["sequence"] = [
+                (name.split(".")[0][:48], round(d / 1e3, 2))
+                for _, d, name in ev[mid : mid + 2 * per_layer + 2]
+            ]
     except Exception as e:  # the probe still reports the timing
         row["trace_error"] = repr(e)[:300]
     print(json.dumps(row, indent=1), flush=True)

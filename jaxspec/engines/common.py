@@ -18,7 +18,9 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxspec.kv_cache import KVCache, causal_block
 from jaxspec.model import apply, fused_kernels_off
 
+# Prompt tokens per prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK.
 PREFILL_CHUNK = 256
+PREFILL_CHUNK_ENV = "JAXSPEC_PREFILL_CHUNK"
 LOOP_CHUNK_ENV = "JAXSPEC_LOOP_CHUNK"
 
 
@@ -32,11 +34,22 @@ class GenerationResult:
     stats: dict[str, Any]
 
 
+def prefill_chunk() -> int:
+    """The prefill chunk in force (``JAXSPEC_PREFILL_CHUNK``: a multiple of 16)."""
+    raw = os.environ.get(PREFILL_CHUNK_ENV)
+    if raw is None:
+        return PREFILL_CHUNK
+    if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
+        raise ValueError(f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (>= 16); got {raw!r}")
+    return int(raw)
+
+
 def pad_prompts(prompts: list[list[int]]):
     """Right-pad: ids [B, L], lengths [B]. L is a multiple of 16 up to one prefill chunk, then of
     the chunk (few distinct shapes, so few compiles)."""
     lens = np.array([len(p) for p in prompts], np.int32)
-    multiple = 16 if lens.max() <= PREFILL_CHUNK else PREFILL_CHUNK
+    chunk = prefill_chunk()
+    multiple = 16 if lens.max() <= chunk else chunk
     width = int(-(-lens.max() // multiple) * multiple)
     ids = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
@@ -52,14 +65,18 @@ def prefill(
     lens: Int[Array, " b"],
     *,
     vocab: int,
+    chunk: int | None = None,
 ) -> tuple[Float[Array, "b v"], KVCache]:
     """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
-    after each row's last prompt token and the cache with the prompt committed.
+    after each row's last prompt token and the cache with the prompt committed. ``chunk``
+    (default ``prefill_chunk()``) must divide the width when the width exceeds it.
 
     Positions equal slots here (a dense cache); ragged rows simply stop earlier.
     """
     b, width = ids.shape
-    chunk = min(width, PREFILL_CHUNK)
+    chunk = min(width, chunk or prefill_chunk())
+    if width % chunk:
+        raise ValueError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
 
     def body(c, carry):
         cache, last = carry

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Session 9's GPU calls (issue 10: the prefill). Before the first call of a streak:
+#   git rev-parse --short HEAD > .carry1/commit
+#
+#   call 1 (carry .carry1 .whl): stash the GGUF's first half; the flash prefill kernel's tests
+#          compiled on the GPU; prefill time by chunk and attention path at 1K and 4K
+#          (probe_prefill.py; the fastest chunk goes to ~/chunk for call 2); the SmolLM2-shape
+#          decode step with its kernel sequence, and with shorter/longer attention splits.
+#   call 2 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K with
+#          JAXSPEC_PREFILL_CHUNK from call 1 (or CHUNK=...).
+#
+#   bash benchmarks/gpu/session9.sh 1|2
+set -u
+source benchmarks/gpu/env.sh
+quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
+probe() {  # label, then probe_small arguments; the environment from the caller
+  timeout 120 python3 benchmarks/gpu/probe_small.py --label "$@" 2>&1 | quiet | python3 -c "
+import json,sys
+t=sys.stdin.read(); i=t.find('{')
+if i < 0: print(t[-800:]); sys.exit()
+r=json.loads(t[i:t.rfind('}')+1])
+print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
+print('   top', r.get('top'), r.get('trace_error',''))
+if '$SEQ': print('   sequence', r.get('sequence'))"
+}
+stash() {  # the GGUF's first half into the home folder (for a later call), the gguf wheel
+  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target ~/site .whl/*.whl
+}
+case "${1:?call 1 or 2}" in
+1)
+  stash
+  JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_prefill_attention.py 2>&1 | quiet | tail -4
+  timeout 240 python3 benchmarks/gpu/probe_prefill.py --contexts 1024,4096 \
+    --chunks 256,1024,4096 --impls reference,auto --out "$OUT/prefill.json" 2>&1 | quiet
+  python3 - "$OUT/prefill.json" <<'PY' > ~/chunk
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["attention"] == "auto" and "ms" in r]
+best = {}
+for r in rows:
+    best.setdefault(r["chunk"], {})[r["context"]] = r["ms"]
+full = {c: sum(v.values()) for c, v in best.items() if len(v) == 2}
+print(min(full, key=full.get) if full else 256)
+PY
+  echo "chunk for call 2: $(cat ~/chunk)"
+  SEQ=1 probe defaults_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_ATTN_MIN_SPLIT=128 probe split128_b1_c1024 --batch 1 --context 1024 --steps 32
+  JAXSPEC_ATTN_MIN_SPLIT=512 probe split512_b1_c1024 --batch 1 --context 1024 --steps 32
+  cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  ;;
+2)
+  cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
+  echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  export JAXSPEC_PREFILL_CHUNK="${CHUNK:-$(cat ~/chunk 2>/dev/null || echo 256)}"
+  timeout 560 python3 benchmarks/bench_small_model.py \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
+    --out "$OUT/small_model.json" 2>&1 | quiet | grep -v "it/s\]" | tail -30
+  ;;
+esac

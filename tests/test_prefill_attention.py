@@ -1,0 +1,168 @@
+"""The flash kernel for wide blocks (prefill chunks) against the pure-jnp reference, its dispatch,
+and a model's prefill through it (the Pallas interpreter on CPU, the compiled kernel on a GPU).
+
+Unused cache slots hold NaN (``test_kernels.make_inputs``): the kernel must never read them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec.model as jm
+from jaxspec.engines import common
+from jaxspec.kv_cache import init_cache
+from pallas_kernels import dispatch
+from pallas_kernels import prefill_attention as P
+from tests import tiny
+from tests.test_kernels import INTERPRET, check, make_inputs
+
+
+def causal_masks(b: int, t: int, n: int, valid) -> np.ndarray:
+    """``causal_block``'s mask: token i < valid[b] sees block slots j <= i."""
+    i = np.arange(t)[:, None]
+    j = np.arange(n)[None, :]
+    return np.stack([(j <= i) & (i < v) & (j < v) for v in valid])
+
+
+def with_mask(args, mask):
+    q, k, v, length, _ = args
+    return q, k, v, length, jnp.asarray(mask)
+
+
+CASES = [
+    # (T, G, S, N, lengths, dtype, block_q, block_k)
+    pytest.param(100, 3, 300, 100, [0, 150, 37], jnp.float32, 32, 16, id="t100-gqa3-f32"),
+    pytest.param(80, 1, 200, 96, [120, 0], jnp.bfloat16, None, None, id="t80-n96-bf16"),
+    pytest.param(70, 2, 160, 70, [89, 3], jnp.float16, 16, 32, id="t70-gqa2-f16"),
+    pytest.param(5, 2, 64, 5, [59, 0], jnp.float32, 16, 16, id="t5-cache-end-f32"),
+]
+
+
+@pytest.mark.parametrize("t, g, s, n, lengths, dtype, bq, bk", CASES)
+@pytest.mark.parametrize("masks", ["tree", "causal", "random"])
+def test_matches_reference(t, g, s, n, lengths, dtype, bq, bk, masks):
+    """Ancestor-closed tree masks, prefill-chunk (causal, ragged) masks and arbitrary masks (so
+    skipping a tile is never decided by the shape of the mask alone); odd prefix lengths, a
+    block ending at the cache's end, query and KV tiles that do not divide T or N."""
+    poisoned, clean = make_inputs(
+        t * 7 + g, b=len(lengths), t=t, kh=2, g=g, s=s, n=n, lengths=lengths, dtype=dtype
+    )
+    rng = np.random.default_rng(t + n)
+    if masks == "causal":
+        valid = [min(t, n)] + [int(x) for x in rng.integers(1, min(t, n) + 1, len(lengths) - 1)]
+        mask = causal_masks(len(lengths), t, n, valid)
+    elif masks == "random":
+        mask = rng.random((len(lengths), t, n)) < 0.3
+    if masks != "tree":
+        poisoned, clean = with_mask(poisoned, mask), with_mask(clean, mask)
+    got = P.prefill_attention(*poisoned, block_q=bq, block_k=bk, interpret=INTERPRET)
+    assert got.shape == poisoned[0].shape and got.dtype == dtype
+    check(got, clean, dtype)
+
+
+def test_queries_that_see_nothing_are_zero():
+    poisoned, _ = make_inputs(
+        11, b=2, t=70, kh=1, g=2, s=96, n=70, lengths=[0, 0], dtype=jnp.float32
+    )
+    mask = causal_masks(2, 70, 70, [70, 9])
+    got = P.prefill_attention(*with_mask(poisoned, mask), block_q=16, interpret=INTERPRET)
+    assert (np.asarray(got[1, 9:]) == 0).all()
+    assert np.isfinite(np.asarray(got)).all() and (np.abs(np.asarray(got[1, :9])) > 0).any()
+
+
+def test_unsupported_and_bad_tiles():
+    q = jnp.zeros((1, 80, 4, 96))
+    k = jnp.zeros((1, 100, 2, 96))
+    bm = jnp.ones((1, 80, 80), bool)
+    assert "head_dim" in P.unsupported_reason(q, k, k, bm)
+    q, k = jnp.zeros((1, 80, 4, 64)), jnp.zeros((1, 100, 2, 64))
+    assert P.unsupported_reason(q, k, k, bm) is None
+    assert "dtypes" in P.unsupported_reason(q, k.astype(jnp.bfloat16), k, bm)
+    length = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="block_q=24"):
+        P.prefill_attention(q, k, k, length, bm, block_q=24, interpret=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        k96 = jnp.zeros((1, 100, 2, 96))
+        P.prefill_attention(jnp.zeros((1, 80, 4, 96)), k96, k96, length, bm, interpret=True)
+
+
+def test_dispatch_sends_wide_blocks_to_the_flash_kernel(monkeypatch):
+    """T > 64 (or N > 128) takes the flash kernel, small blocks the split-K decode kernel; on a
+    GPU 'auto' picks the kernels for both, elsewhere the reference."""
+    calls = []
+    for mod, name in ((P, "prefill_attention"), (dispatch, "decode_attention")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(
+            mod, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k)
+        )
+    wide, wide_clean = make_inputs(
+        3, b=2, t=72, kh=2, g=2, s=150, n=72, lengths=[60, 1], dtype=jnp.float32
+    )
+    small, small_clean = make_inputs(
+        4, b=2, t=8, kh=2, g=2, s=80, n=8, lengths=[70, 3], dtype=jnp.float32
+    )
+    check(dispatch.attention(*wide, impl="pallas_interpret"), wide_clean, jnp.float32)
+    check(dispatch.attention(*small, impl="pallas_interpret"), small_clean, jnp.float32)
+    assert calls == ["prefill_attention", "decode_attention"]
+    q, k, v, _, bm = wide
+    want = "pallas" if jax.default_backend() == "gpu" else "reference"
+    assert dispatch.choose_impl(q, k, v, bm) == want
+
+
+def test_prefill_chunk_setting(monkeypatch):
+    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "64")
+    ids, _ = common.pad_prompts([[1] * 70, [2] * 3])
+    assert common.prefill_chunk() == 64 and ids.shape[1] == 128
+    ids, _ = common.pad_prompts([[1] * 40])
+    assert ids.shape[1] == 48
+    for bad in ("0", "40", "x"):
+        monkeypatch.setenv(common.PREFILL_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            common.prefill_chunk()
+    monkeypatch.delenv(common.PREFILL_CHUNK_ENV)
+    assert common.prefill_chunk() == common.PREFILL_CHUNK
+    target = tiny.model(1)
+    cache = init_cache(target.config, 1, 48)
+    ids = jnp.zeros((1, 48), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of the prefill chunk"):
+        common.prefill(
+            target.graphdef, target.params, cache, ids, jnp.asarray([40]), vocab=67, chunk=32
+        )
+
+
+def test_model_prefill_through_the_kernel(monkeypatch):
+    """A model's chunked prefill (80-token chunks, ragged rows) through the flash kernel: the
+    logits after each prompt match the reference path's, and generate's greedy tokens are the
+    same."""
+    import jaxspec
+
+    changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
+    target = tiny.model(2, **changes)
+    ps = tiny.prompts(2, lengths=(150, 97, 33), vocab=64)
+    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "80")
+    ids, lens = common.pad_prompts(ps)
+    assert ids.shape[1] == 160
+    calls = []
+    fn = P.prefill_attention
+    monkeypatch.setattr(P, "prefill_attention", lambda *a, **k: calls.append(1) or fn(*a, **k))
+
+    def run(impl):
+        monkeypatch.setattr(jm, "ATTENTION_IMPL", impl)
+        common._COMPILED.clear()
+        jax.clear_caches()
+        cache = init_cache(target.config, 3, 176)
+        first = jax.jit(lambda p, c: common.prefill(target.graphdef, p, c, ids, lens, vocab=64)[0])(
+            target.params, cache
+        )
+        return np.asarray(first), jaxspec.generate(target, ps, max_new_tokens=6).tokens
+
+    ref_logits, ref_tokens = run("reference")
+    assert not calls
+    logits, tokens = run("pallas_interpret")
+    assert calls, "the flash kernel was not traced"
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-5)
+    assert tokens == ref_tokens
+    common._COMPILED.clear()
+    jax.clear_caches()
