@@ -19,6 +19,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxspec.model as jm
 from benchmarks.bench_decode_gpu import SHAPES
@@ -36,29 +37,32 @@ def time_prefill(model, context: int, chunk: int, batch: int, reps: int) -> dict
         last, cache = prefill(
             model.graphdef, params, cache, ids, lens, vocab=cfg.vocab_size, chunk=chunk
         )
-        return jnp.argmax(last, -1), cache
+        return last, cache
 
     fn = jax.jit(run, donate_argnums=1)
     t0 = time.perf_counter()
     exe = fn.lower(model.params, init_cache(cfg, batch, context + 144, model.dtype)).compile()
     compile_s = time.perf_counter() - t0
     cache = init_cache(cfg, batch, context + 144, model.dtype)
-    times, first = [], None
+    times, logits = [], None
     for i in range(reps + 2):
         t0 = time.perf_counter()
-        tok, cache = exe(model.params, cache)
-        tok.block_until_ready()
+        last, cache = exe(model.params, cache)
+        last.block_until_ready()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-        first = int(tok[0]) if first is None else first
+        logits = np.asarray(last[0]) if logits is None else logits
         cache.length = jnp.zeros_like(cache.length)
     ms = sorted(times)[len(times) // 2] * 1e3
-    return {
+    top2 = np.sort(logits)[-2:]
+    row = {
         "ms": round(ms, 3),
         "tok_per_s": round(batch * context / ms * 1e3),
         "compile_s": round(compile_s, 1),
-        "first_token": first,
+        "first_token": int(np.argmax(logits)),
+        "top2_gap": round(float(top2[1] - top2[0]), 5),
     }
+    return row, logits
 
 
 def main():
@@ -78,13 +82,19 @@ def main():
         for chunk in map(int, args.chunks.split(",")):
             if chunk > context or context % chunk:
                 continue
+            base = None  # the first implementation's logits: the others are compared to them
             for impl in args.impls.split(","):
                 jm.ATTENTION_IMPL = impl
                 row = dict(
                     shape=args.shape, batch=args.batch, context=context, chunk=chunk, attention=impl
                 )
                 try:
-                    row.update(time_prefill(model, context, chunk, args.batch, args.reps))
+                    got, logits = time_prefill(model, context, chunk, args.batch, args.reps)
+                    row.update(got)
+                    if base is None:
+                        base = logits
+                    else:
+                        row["max_logit_diff"] = round(float(np.abs(logits - base).max()), 5)
                 except Exception as e:  # one setting failing (memory) keeps the others
                     row["error"] = repr(e)[:300]
                 print(json.dumps(row), flush=True)

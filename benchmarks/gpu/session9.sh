@@ -9,7 +9,12 @@
 #   call 2 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K with
 #          JAXSPEC_PREFILL_CHUNK from call 1 (or CHUNK=...).
 #
-#   bash benchmarks/gpu/session9.sh 1|2
+# #   call 3 (carry .carry1 .whl; ran after call 1's machine went idle): stash again; the flash
+#          kernel at T = 1024 and 4096 on the GPU (call 1's probe saw another first token at
+#          chunk 4096: check_prefill_attention.py), the probe again with logit differences; the
+#          decode step with XLA's Triton GEMMs off (cuBLAS). Then call 2 within 30 s.
+#
+#   bash benchmarks/gpu/session9.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
 quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
@@ -21,7 +26,7 @@ if i < 0: print(t[-800:]); sys.exit()
 r=json.loads(t[i:t.rfind('}')+1])
 print(r['label'], r['batch'], r['context'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per_step'), 'busy', r.get('gpu_busy_ms_per_step'))
 print('   top', r.get('top'), r.get('trace_error',''))
-if '$SEQ': print('   sequence', r.get('sequence'))"
+if '${SEQ:-}': print('   sequence', r.get('sequence'))"
 }
 stash() {  # the GGUF's first half into the home folder (for a later call), the gguf wheel
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
@@ -49,6 +54,15 @@ PY
   JAXSPEC_ATTN_MIN_SPLIT=128 probe split128_b1_c1024 --batch 1 --context 1024 --steps 32
   JAXSPEC_ATTN_MIN_SPLIT=512 probe split512_b1_c1024 --batch 1 --context 1024 --steps 32
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  ;;
+3)
+  stash
+  timeout 120 python3 benchmarks/gpu/check_prefill_attention.py 2>&1 | quiet
+  timeout 200 python3 benchmarks/gpu/probe_prefill.py --contexts 1024,4096 \
+    --chunks 1024,2048,4096 --impls reference,auto --out "$OUT/prefill.json" 2>&1 | quiet
+  echo 1024 > ~/chunk
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false probe cublas_b1_c1024 --batch 1 --context 1024 \
+    --steps 32
   ;;
 2)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
