@@ -57,10 +57,19 @@ PY
   ;;
 3)
   stash
-  timeout 120 python3 benchmarks/gpu/check_prefill_attention.py 2>&1 | quiet
+  timeout 120 python3 benchmarks/gpu/check_prefill_attention.py 2>&1 | quiet | tee ~/check
   timeout 200 python3 benchmarks/gpu/probe_prefill.py --contexts 1024,4096 \
     --chunks 1024,2048,4096 --impls reference,auto --out "$OUT/prefill.json" 2>&1 | quiet
-  echo 1024 > ~/chunk
+  # call 2's chunk: the fastest at 4K (1K fits in any of them) if every check passed, else 1024
+  python3 - "$OUT/prefill.json" <<'PY' > ~/chunk
+import json, os, sys
+check = open(os.path.expanduser("~/check")).read()
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["attention"] == "auto" and "ms" in r]
+at4k = {r["chunk"]: r["ms"] for r in rows if r["context"] == 4096}
+ok = "FAIL" not in check and check.count("ok") >= 5
+print(min(at4k, key=at4k.get) if ok and at4k else 1024)
+PY
+  echo "chunk for call 2: $(cat ~/chunk)"
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false probe cublas_b1_c1024 --batch 1 --context 1024 \
     --steps 32
   ;;
