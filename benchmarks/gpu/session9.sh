@@ -14,7 +14,12 @@
 #          chunk 4096: check_prefill_attention.py), the probe again with logit differences; the
 #          decode step with XLA's Triton GEMMs off (cuBLAS). Then call 2 within 30 s.
 #
-#   bash benchmarks/gpu/session9.sh 1|2|3
+#   call 4 (carry .carry1 .whl): stash again; the SmolLM2-shape step with the padded qkv rows
+#          taken by the fused kernel (no slice kernel), then with XLA's exhaustive GEMM tiling
+#          search and its fusion autotuner. Then call 5 within 30 s (carry .carry2): call 2
+#          again, with XLAX="the flags that won" if any.
+#
+#   bash benchmarks/gpu/session9.sh 1|2|3|4|5
 set -u
 source benchmarks/gpu/env.sh
 quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
@@ -72,6 +77,20 @@ PY
   echo "chunk for call 2: $(cat ~/chunk)"
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false probe cublas_b1_c1024 --batch 1 --context 1024 \
     --steps 32
+  ;;
+4)
+  stash
+  SEQ=1 probe rows_b1_c1024 --batch 1 --context 1024 --steps 32
+  EX=--xla_gpu_exhaustive_tiling_search=true
+  FA=--xla_gpu_experimental_enable_fusion_autotuner=true
+  XLA_FLAGS=$EX SEQ=1 probe exhaustive_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS=$FA probe fusion_autotuner_b1_c1024 --batch 1 --context 1024 --steps 32
+  XLA_FLAGS="$EX $FA" probe both_b1_c1024 --batch 1 --context 1024 --steps 32
+  cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  ;;
+5)
+  [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
+  bash "$0" 2
   ;;
 2)
   cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
