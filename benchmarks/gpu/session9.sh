@@ -80,6 +80,8 @@ PY
   ;;
 4)
   stash
+  JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_rope_attention.py -k "padded_rows or matches" 2>&1 | quiet | tail -2
   SEQ=1 probe rows_b1_c1024 --batch 1 --context 1024 --steps 32
   EX=--xla_gpu_exhaustive_tiling_search=true
   FA=--xla_gpu_experimental_enable_fusion_autotuner=true
