@@ -19,7 +19,11 @@
 #          search and its fusion autotuner. Then call 5 within 30 s (carry .carry2): call 2
 #          again, with XLAX="the flags that won" if any.
 #
-#   bash benchmarks/gpu/session9.sh 1|2|3|4|5
+#   call 6 (no carry): issue 6's 8B and 1B steps with the defaults, with XLA's exhaustive GEMM
+#          tiling search, and with it plus the fusion autotuner (call 4's leads: 0.847 -> 0.829
+#          -> 0.811 ms on the SmolLM2 shape).
+#
+#   bash benchmarks/gpu/session9.sh 1|2|3|4|5|6
 set -u
 source benchmarks/gpu/env.sh
 quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
@@ -89,6 +93,20 @@ PY
   XLA_FLAGS=$FA probe fusion_autotuner_b1_c1024 --batch 1 --context 1024 --steps 32
   XLA_FLAGS="$EX $FA" probe both_b1_c1024 --batch 1 --context 1024 --steps 32
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
+  ;;
+6)
+  J="$OUT/decode_rows.json"
+  EX=--xla_gpu_exhaustive_tiling_search=true
+  FA=--xla_gpu_experimental_enable_fusion_autotuner=true
+  for v in "default|" "exhaustive|$EX" "both|$EX $FA"; do
+    XLA_FLAGS="${v#*|}" JAXSPEC_LABEL="${v%%|*}" timeout 150 python3 benchmarks/bench_decode_gpu.py \
+      --budget-s 60 --cases 8b:1:4096:1,1b:1:4096:1 --out "$J" 2>&1 | quiet | grep -v "^{" | tail -2
+  done
+  python3 - "$J" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{r['label']:>10} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f} compile {r.get('compile_s')}" if "ms_per_step" in r else r["error"][:150]))
+PY
   ;;
 5)
   [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
