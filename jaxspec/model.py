@@ -207,10 +207,8 @@ class Attention(nnx.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         mode = self.fused_attention(x, k_cache, block)
         if mode is not None:
-            # one array, as the projection GEMM leaves it (padded rows included: slicing them
-            # off was a kernel of its own): the kernel gathers its heads
-            qkv = jnp.concatenate([q, k, v], axis=-1)
-            qkv = qkv.reshape(qkv.shape[0], -1, hd) if qkv.ndim == 2 else qkv.reshape(b, t, -1, hd)
+            # one array, as the projection GEMM leaves it: the kernel gathers its heads
+            qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, hd)
             out, k_cache, v_cache = rope_attention.rope_attention(
                 qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
                 num_heads=cfg.num_heads, interpret=mode == "interpret",

@@ -4,8 +4,8 @@ cache.
 Issue 10: in a SmolLM2 decode step, five of a layer's sixteen kernels only prepare the attention
 kernel's inputs: K's RoPE, V's slot select, the two cache writes and Q's preparation
 (benchmarks/notes/small_step_probe.md). This kernel takes the Q/K/V projections as they leave the
-GEMM, in one array ``qkv [B, T, H + 2 KH, hd]`` or its padded rows ``[R, H + 2 KH, hd]`` (query
-heads, then key heads, then value heads; before RoPE), and per program:
+GEMM, in one array ``qkv [B, T, H + 2 KH, hd]`` (query heads, then key heads, then value heads;
+before RoPE), and per program:
 
 - gathers its query rows (the ``g`` query heads of its KV head, for every new token) straight
   from ``qkv`` and rotates them (rotate-half RoPE in float32, rounded to the input dtype, as
@@ -206,7 +206,7 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
 def rope_attention(
-    qkv: Float[Array, "*lead nh hd"],
+    qkv: Float[Array, "b t nh hd"],
     cos: Float[Array, "b t half"],
     sin: Float[Array, "b t half"],
     k_cache: Float[Array, "b s kh hd"],
@@ -219,19 +219,12 @@ def rope_attention(
     interpret: bool = False,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``reference``'s result in one kernel plus the combine: (attention output, K cache, V
-    cache). ``qkv`` holds the projections before RoPE, as ``[B, T, nh, hd]`` or as rows
-    ``[R, nh, hd]`` (token ``i`` of row ``b`` at row ``b * T + i``; rows past ``B * T`` are
-    ignored: the padded residual stream's GEMM output, taken without a slice). The caches are
-    donated (updated in place)."""
-    b, t = cos.shape[:2]
-    nh, hd = qkv.shape[-2:]
-    if qkv.ndim != 3 and qkv.shape[:2] != (b, t) or qkv.ndim == 3 and qkv.shape[0] < b * t:
-        raise ValueError(f"rope_attention: qkv {qkv.shape} does not hold {b} x {t} tokens")
-    as_tokens = jax.ShapeDtypeStruct((b, t, nh, hd), qkv.dtype)
-    reason = unsupported_reason(as_tokens, num_heads, k_cache, block_mask)
+    cache). ``qkv`` holds the projections before RoPE; the caches are donated (updated in
+    place)."""
+    reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
-    qkv = qkv.reshape(b * t, nh, hd) if qkv.ndim == 4 else qkv
+    b, t, nh, hd = qkv.shape
     _, s, kh, _ = k_cache.shape
     h = num_heads
     g = h // kh
@@ -258,7 +251,7 @@ def rope_attention(
     kv_spec = pl.BlockSpec((None, s, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
 
     def head_spec(first):  # one KV head's new rows: qkv's head ``first + kv head``
-        return pl.BlockSpec((t, None, hd), lambda i, hh, j, bb: (bb, first + hh, 0))
+        return pl.BlockSpec((None, t, None, hd), lambda i, hh, j, bb: (bb, 0, first + hh, 0))
 
     tab_spec = pl.BlockSpec((None, t, hd // 2), lambda i, hh, j, bb: (bb, 0, 0))
     f32 = jnp.float32
@@ -268,7 +261,7 @@ def rope_attention(
         in_specs=[
             pl.BlockSpec((None,), lambda i, hh, j, bb: (bb,)),
             pl.BlockSpec((None, t), lambda i, hh, j, bb: (bb, 0)),
-            pl.BlockSpec((t, nh, hd), lambda i, hh, j, bb: (bb, 0, 0)),  # row bb's tokens
+            pl.BlockSpec((None, t, nh, hd), lambda i, hh, j, bb: (bb, 0, 0, 0)),  # queries
             head_spec(h),  # this program's new keys
             head_spec(h + kh),  # and values
             tab_spec,
