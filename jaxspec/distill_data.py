@@ -80,12 +80,12 @@ def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]
     return rows, info
 
 
-def _width(n: int) -> int:
-    """The padded prompt width ``pad_prompts`` would pick: the engines' prefill runs over
-    ``width // prefill_chunk()`` chunks, so past one chunk the width is a multiple of it."""
+def _width(n: int, batch: int) -> int:
+    """The padded prompt width ``pad_prompts`` would pick for ``batch`` rows: past one prefill
+    chunk the width is a multiple of it."""
     from jaxspec.engines.common import prefill_chunk
 
-    chunk = prefill_chunk()
+    chunk = prefill_chunk(batch)
     m = 16 if n <= chunk else chunk
     return -(-n // m) * m
 
@@ -134,7 +134,7 @@ def generate_data(
     # a prompt and its continuation fit the context: longer prompts keep their last tokens
     cap = min(spec.max_prompt_tokens, target.config.max_position_embeddings - spec.max_new)
     ids = [p[-cap:] for p in ids]
-    width = _width(max(len(p) for p in ids))
+    width = _width(max(len(p) for p in ids), spec.gen_batch)
     # pass 0: greedy; passes 1..samples: temperature. Ordered by pass, so a budget cut keeps
     # whole passes over every source.
     jobs = [(0, i) for i in range(len(ids))]

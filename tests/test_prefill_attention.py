@@ -124,12 +124,28 @@ def test_prefill_chunk_setting(monkeypatch):
     monkeypatch.delenv(common.PREFILL_CHUNK_ENV)
     assert common.prefill_chunk() == common.PREFILL_CHUNK
     target = tiny.model(1)
-    cache = init_cache(target.config, 1, 48)
-    ids = jnp.zeros((1, 48), jnp.int32)
-    with pytest.raises(ValueError, match="multiple of the prefill chunk"):
-        common.prefill(
-            target.graphdef, target.params, cache, ids, jnp.asarray([40]), vocab=67, chunk=32
-        )
+    # a width the chunk does not divide: the step is cut to one that does (48 = 3 x 16), and
+    # every prompt token is still fed (the same logits as one step over the whole prompt)
+    assert common.fit_chunk(48, 32) == 16 and common.fit_chunk(48, 64) == 48
+    assert common.fit_chunk(40, 32) == 20 and common.fit_chunk(2048, 2048) == 2048
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 67, (1, 48)), jnp.int32)
+
+    def first(chunk):
+        c = init_cache(target.config, 1, 48)
+        return common.prefill(
+            target.graphdef, target.params, c, ids, jnp.asarray([40]), vocab=67, chunk=chunk
+        )[0]
+
+    np.testing.assert_allclose(first(32), first(48), atol=1e-5)
+
+
+def test_gpu_chunk_keeps_tokens_per_step_bounded(monkeypatch):
+    """On a GPU: up to 2048 tokens a row, at most GPU_PREFILL_TOKENS a step, 256 at least."""
+    monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+    got = [common.prefill_chunk(b) for b in (1, 8, 16, 32, 64, 128)]
+    assert got == [2048, 2048, 1024, 512, 256, 256]
+    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "512")
+    assert common.prefill_chunk(1) == 512
 
 
 def test_model_prefill_through_the_kernel(monkeypatch):

@@ -18,9 +18,15 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxspec.kv_cache import KVCache, causal_block
 from jaxspec.model import apply, fused_kernels_off
 
-# Prompt tokens per prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK.
+# Prompt tokens per row and prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK off GPU. On a
+# GPU the chunk's attention is the flash kernel (pallas_kernels/prefill_attention.py), and wider
+# chunks mean fewer, fuller GEMMs: at 4096 prompt tokens of the SmolLM2 shape, 256-token chunks
+# took 43.4 ms, 1024 15.9, 2048 14.0, 4096 15.3 (benchmarks/notes/prefill_probe.md). So
+# GPU_PREFILL_TOKENS rows x tokens per step, 2048 tokens a row at most, PREFILL_CHUNK at least.
 PREFILL_CHUNK = 256
 PREFILL_CHUNK_ENV = "JAXSPEC_PREFILL_CHUNK"
+GPU_PREFILL_TOKENS = 16384
+GPU_PREFILL_CHUNK = 2048
 LOOP_CHUNK_ENV = "JAXSPEC_LOOP_CHUNK"
 
 
@@ -34,21 +40,37 @@ class GenerationResult:
     stats: dict[str, Any]
 
 
-def prefill_chunk() -> int:
-    """The prefill chunk in force (``JAXSPEC_PREFILL_CHUNK``: a multiple of 16)."""
+def prefill_chunk(batch: int = 1) -> int:
+    """The prefill chunk for ``batch`` rows: ``JAXSPEC_PREFILL_CHUNK`` (a multiple of 16) when
+    set, else the backend's default (see ``GPU_PREFILL_TOKENS``)."""
     raw = os.environ.get(PREFILL_CHUNK_ENV)
-    if raw is None:
+    if raw is not None:
+        if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
+            raise ValueError(f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (>= 16); got {raw!r}")
+        return int(raw)
+    if jax.default_backend() != "gpu":
         return PREFILL_CHUNK
-    if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
-        raise ValueError(f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (>= 16); got {raw!r}")
-    return int(raw)
+    per_row = 1 << (max(1, GPU_PREFILL_TOKENS // max(batch, 1)).bit_length() - 1)
+    return max(PREFILL_CHUNK, min(GPU_PREFILL_CHUNK, per_row))
+
+
+def fit_chunk(width: int, chunk: int) -> int:
+    """The widest step of at most ``chunk`` tokens that divides ``width`` (the whole width
+    when it fits in one): prompts padded for another chunk still prefill every token."""
+    if width <= chunk:
+        return width
+    step = 16 if width % 16 == 0 else 1
+    c = chunk - chunk % step
+    while width % c:
+        c -= step
+    return c
 
 
 def pad_prompts(prompts: list[list[int]]):
     """Right-pad: ids [B, L], lengths [B]. L is a multiple of 16 up to one prefill chunk, then of
     the chunk (few distinct shapes, so few compiles)."""
     lens = np.array([len(p) for p in prompts], np.int32)
-    chunk = prefill_chunk()
+    chunk = prefill_chunk(len(prompts))
     multiple = 16 if lens.max() <= chunk else chunk
     width = int(-(-lens.max() // multiple) * multiple)
     ids = np.zeros((len(prompts), width), np.int32)
@@ -69,14 +91,12 @@ def prefill(
 ) -> tuple[Float[Array, "b v"], KVCache]:
     """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
     after each row's last prompt token and the cache with the prompt committed. ``chunk``
-    (default ``prefill_chunk()``) must divide the width when the width exceeds it.
+    (default ``prefill_chunk(batch)``) is cut down to divide the width (``fit_chunk``).
 
     Positions equal slots here (a dense cache); ragged rows simply stop earlier.
     """
     b, width = ids.shape
-    chunk = min(width, chunk or prefill_chunk())
-    if width % chunk:
-        raise ValueError(f"prompt width {width} is not a multiple of the prefill chunk {chunk}")
+    chunk = fit_chunk(width, chunk or prefill_chunk(b))
 
     def body(c, carry):
         cache, last = carry
