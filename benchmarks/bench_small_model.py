@@ -215,7 +215,8 @@ def main():
             payload[f"{method}_decode_tok_per_s_b1_ctx{ctx}"] = round(rate, 1)
             payload[f"{method}_decode_over_ar_ctx{ctx}"] = round(rate / ar_decode, 2)
         if ctx == int(args.contexts.split(",")[0]):
-            # the plain path: the jnp reference attention instead of the Pallas kernel
+            # JAXSPEC_ATTENTION=reference: the jnp attention where the model dispatches (the
+            # prefill's chunks); the fused decode-step kernel has its own switch
             import jaxspec.model as jm
             from jaxspec.engines import common
 

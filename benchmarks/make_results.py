@@ -44,12 +44,15 @@ ORDER = [
     "distill",
     "ar_gpu",
     "small_model",
+    "prefill_probe",
+    "small_model_s8",
     "small_model_defaults",
     "small_model_fused_6e486ea",
     "small_model_1k",
     "gamma_sweep_cpu",
     "small_step_probe",
     "small_step_probe_s8",
+    "small_step_probe_s9",
     "spec_core_gpu",
     "bench_h200",
     "bench_h200_peers",
@@ -62,6 +65,7 @@ ORDER = [
     "swiftspec_2gpu_loops_d3",
     "gpu_decode",
     "gpu_decode_s8",
+    "gpu_decode_s9",
     "kernels_h200",
 ]
 TITLES = {
