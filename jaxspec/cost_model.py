@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
+from jaxspec.model import traced_for_layout
 from jaxspec.timing import loop_ms, repeat
 
 
@@ -228,6 +229,7 @@ def looped(step, **static):
     return jax.jit(repeat(functools.partial(step, **static)), donate_argnums=(0,))
 
 
+@traced_for_layout
 def measure(
     target,
     draft,
@@ -397,6 +399,7 @@ def grow_step(dstate, dparams, *, draft, width, branch):
     return draft.grow(dparams, dstate, expansions=1, width=width, branch=branch)
 
 
+@traced_for_layout
 def measure_tree(
     target,
     draft,

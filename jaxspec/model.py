@@ -74,6 +74,31 @@ def fused_kernels_off():
         _LOCAL.off = before
 
 
+def spans_devices(*trees) -> bool:
+    """Whether any array in ``trees`` (models' ``params`` are looked into) is laid out over
+    several devices: tensor parallel weights, or SwiftSpec's two-device program."""
+    leaves = jax.tree.leaves([getattr(t, "params", t) for t in trees])
+    return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves)
+
+
+def fused_kernels_for(*trees):
+    """``fused_kernels_off()`` when ``trees`` span several devices (the fused kernels have no
+    partitioning rule), else a context that changes nothing. Trace programs inside it."""
+    return fused_kernels_off() if spans_devices(*trees) else contextlib.nullcontext()
+
+
+def traced_for_layout(fn):
+    """Decorate a function that traces programs over its arguments (models, parameters,
+    arrays): it runs under ``fused_kernels_for`` of them."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with fused_kernels_for(*args, *kwargs.values()):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def fused_mode(rows, *arrays, head_dim: int | None = None) -> str | None:
     """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
     impl = FUSED_IMPL

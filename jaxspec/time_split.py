@@ -40,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxspec.model import traced_for_layout
 from jaxspec.timing import loop_ms, median_ms
 
 PARTS = ("draft", "verify", "handoff", "prefill", "host")
@@ -264,6 +265,7 @@ def _context(lens, shift: int) -> int:
 # per engine
 
 
+@traced_for_layout
 def measure(target, method, draft, ids, lens, stats, *, max_new, options, sampling, reps=3):
     """The units of ``method`` at this run's shapes (``ids``/``lens``: the padded batch the
     engine ran; ``stats``: its stats, for the shape it chose). ``reps``: timed repetitions of

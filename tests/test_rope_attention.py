@@ -234,3 +234,35 @@ def test_dispatch_modes(monkeypatch):
     monkeypatch.setattr(jm, "FUSED_ATTENTION", "fast")
     with pytest.raises(ValueError, match="off, auto, pallas, interpret"):
         att.fused_attention(x, cache, block)
+
+
+def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch):
+    """The time split (and the cost model: the same decorator) traces its programs as the
+    engines do: with the fused kernel for weights on one device, without it for weights split
+    over two (the kernel has no partitioning rule)."""
+    import dataclasses
+
+    import jaxspec.model as jm
+    from jaxspec import time_split
+    from jaxspec.engines import common, swiftspec
+    from jaxspec.sampling import Sampling
+
+    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
+    m = tiny_model(0, changes)
+    ids, lens = common.pad_prompts([[1, 2, 3, 4, 5]])
+    calls = []
+    real = R.rope_attention
+    monkeypatch.setattr(R, "rope_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
+    kw = dict(max_new=4, options={}, sampling=Sampling(0.0, 1.0, 0), reps=1)
+    jax.clear_caches()
+    time_split.measure(m, "autoregressive", None, ids, lens, {}, **kw)
+    assert calls, "one device: the fused kernel is traced"
+    calls.clear()
+    jax.clear_caches()
+    params, _ = swiftspec.place(m.params, m.config, jax.devices()[:2])
+    sharded = dataclasses.replace(m, params=params)
+    assert jm.spans_devices(sharded) and not jm.spans_devices(m, ids)
+    time_split.measure(sharded, "autoregressive", None, ids, lens, {}, **kw)
+    assert not calls
+    jax.clear_caches()

@@ -3,7 +3,6 @@ compilation caching and the result type."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -16,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.kv_cache import KVCache, causal_block
-from jaxspec.model import apply, fused_kernels_off
+from jaxspec.model import apply, fused_kernels_for
 
 # Prompt tokens per row and prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK off GPU. On a
 # GPU the chunk's attention is the flash kernel (pallas_kernels/prefill_attention.py), and wider
@@ -202,12 +201,9 @@ def compiled(fn, *args, **static):
     with _COMPILE_LOCK:
         if key in _COMPILED:
             return _COMPILED[key], 0.0
-        sharded = any(
-            len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves
-        )
         # sharded weights (tensor parallel, or SwiftSpec's two-device program): the fused Pallas
         # kernels (projections, attention) have no partitioning rule, so they stay out
-        with fused_kernels_off() if sharded else contextlib.nullcontext(), Timer() as t:
+        with fused_kernels_for(leaves), Timer() as t:
             exe = fn.lower(*args, **static).compile()
         if len(_COMPILED) > 64:
             _COMPILED.clear()
