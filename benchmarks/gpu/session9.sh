@@ -23,7 +23,11 @@
 #          tiling search, and with it plus the fusion autotuner (call 4's leads: 0.847 -> 0.829
 #          -> 0.811 ms on the SmolLM2 shape).
 #
-#   bash benchmarks/gpu/session9.sh 1|2|3|4|5|6
+#   call 7 (carry .carry1 .whl): stash the GGUF's first half. Then call 8 within 30 s (carry
+#          .carry2): bench_small_model at 1024 only, with the defaults (no switch set: the GPU's
+#          2048-token prefill chunk is now the default) and the tree shapes 4x8x4 and 8x2x2.
+#
+#   bash benchmarks/gpu/session9.sh 1|2|3|4|5|6|7|8
 set -u
 source benchmarks/gpu/env.sh
 quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
@@ -107,6 +111,18 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{r['label']:>10} {r['case']:>16} " + (f"{r['ms_per_step']:7.3f} ms floor {r['floor_ms']:.3f} {r['floor_over_ms']:.2f} compile {r.get('compile_s')}" if "ms_per_step" in r else r["error"][:150]))
 PY
+  ;;
+7)
+  stash
+  ;;
+8)
+  cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
+  echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  timeout 450 python3 benchmarks/bench_small_model.py \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 2 --gammas 8 \
+    --contexts 1024 --tree-shapes 4x8x4,8x2x2 --skip-1b --no-hf \
+    --out "$OUT/small_model.json" 2>&1 | quiet | grep -v "it/s\]" | tail -16
   ;;
 5)
   [ -n "${XLAX:-}" ] && export XLA_FLAGS="$XLAX"
