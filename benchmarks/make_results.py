@@ -44,6 +44,7 @@ ORDER = [
     "distill",
     "ar_gpu",
     "small_model",
+    "small_model_trees_s9",
     "prefill_probe",
     "small_model_s8",
     "small_model_defaults",
