@@ -65,9 +65,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def unsupported_reason(q, k, v, block_mask) -> str | None:
-    """Why the Pallas kernel cannot take these shapes/dtypes (``None`` when it can)."""
-    b, t, h, hd = q.shape
+def layout_problem(q, k, v) -> str | None:
+    """What no attention kernel here takes (shapes, GQA grouping, head size, dtypes), or None."""
+    b, _, h, hd = q.shape
     _, s, kh, _ = k.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != hd:
         return f"shape mismatch q={q.shape} k={k.shape} v={v.shape}"
@@ -75,16 +75,22 @@ def unsupported_reason(q, k, v, block_mask) -> str | None:
         return f"{h} query heads not a multiple of {kh} kv heads"
     if hd not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {hd} not in {SUPPORTED_HEAD_DIMS}"
-    if t > MAX_T or t < 1:
-        return f"T={t} not in [1, {MAX_T}]"
-    if block_mask.shape[-1] > MAX_N:
-        return f"block size N={block_mask.shape[-1]} > {MAX_N}"
     if s < 1:
         return "empty cache"
     dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for q, k, v)"
     return None
+
+
+def unsupported_reason(q, k, v, block_mask) -> str | None:
+    """Why the Pallas kernel cannot take these shapes/dtypes (``None`` when it can)."""
+    t = q.shape[1]
+    if t > MAX_T or t < 1:
+        return f"T={t} not in [1, {MAX_T}]"
+    if block_mask.shape[-1] > MAX_N:
+        return f"block size N={block_mask.shape[-1]} > {MAX_N}"
+    return layout_problem(q, k, v)
 
 
 def _dot(a, b, *, contract_b: int):

@@ -41,22 +41,11 @@ BLOCK_K = 64
 
 def unsupported_reason(q, k, v, block_mask) -> str | None:
     """Why the kernel cannot take these shapes/dtypes (``None`` when it can)."""
-    b, t, h, hd = q.shape
-    _, s, kh, _ = k.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != hd:
-        return f"shape mismatch q={q.shape} k={k.shape} v={v.shape}"
-    if block_mask.shape[:2] != (b, t):
+    if q.shape[1] < 1:
+        return "no queries"
+    if block_mask.shape[:2] != q.shape[:2]:
         return f"block_mask {block_mask.shape} does not match q {q.shape}"
-    if h % kh:
-        return f"{h} query heads not a multiple of {kh} kv heads"
-    if hd not in D.SUPPORTED_HEAD_DIMS:
-        return f"head_dim {hd} not in {D.SUPPORTED_HEAD_DIMS}"
-    if t < 1 or s < 1:
-        return f"empty queries or cache: T={t}, S={s}"
-    dts = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dts) != 1 or next(iter(dts)) not in D.SUPPORTED_DTYPES:
-        return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for q, k, v)"
-    return None
+    return D.layout_problem(q, k, v)
 
 
 def _kernel(
