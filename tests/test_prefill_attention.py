@@ -12,6 +12,7 @@ import pytest
 
 import jaxspec.model as jm
 from jaxspec.engines import common
+from jaxspec.errors import OptionError
 from jaxspec.kv_cache import init_cache
 from pallas_kernels import dispatch
 from pallas_kernels import prefill_attention as P
@@ -119,7 +120,7 @@ def test_prefill_chunk_setting(monkeypatch):
     assert ids.shape[1] == 48
     for bad in ("0", "40", "x"):
         monkeypatch.setenv(common.PREFILL_CHUNK_ENV, bad)
-        with pytest.raises(ValueError, match="multiple of 16"):
+        with pytest.raises(OptionError, match="multiple of 16"):
             common.prefill_chunk()
     monkeypatch.delenv(common.PREFILL_CHUNK_ENV)
     assert common.prefill_chunk() == common.PREFILL_CHUNK

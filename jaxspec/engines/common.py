@@ -42,10 +42,15 @@ class GenerationResult:
 def prefill_chunk(batch: int = 1) -> int:
     """The prefill chunk for ``batch`` rows: ``JAXSPEC_PREFILL_CHUNK`` (a multiple of 16) when
     set, else the backend's default (see ``GPU_PREFILL_TOKENS``)."""
-    raw = os.environ.get(PREFILL_CHUNK_ENV)
-    if raw is not None:
+    from jaxspec.errors import OptionError
+
+    raw = os.environ.get(PREFILL_CHUNK_ENV, "").strip()
+    if raw:
         if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
-            raise ValueError(f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (>= 16); got {raw!r}")
+            raise OptionError(
+                f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (16, 32, ..., 2048), got {raw!r}; "
+                "unset it for the default."
+            )
         return int(raw)
     if jax.default_backend() != "gpu":
         return PREFILL_CHUNK
