@@ -140,8 +140,9 @@ def main():
         "--tree-shapes",
         default="4x8x4",
         help="tree shapes to run, DEPTHxWIDTHxBRANCH, comma-separated (8 nodes verified each); "
-        "each draft's tree figure is its best shape's (a chain-like 8x2x2 lets prompt lookup "
-        "accept as much as its gamma-8 chain: 2.40 tokens a verification on CPU, 2.12 at 4x8x4)",
+        "each draft's tree figure is its best shape's (prompt lookup's tree is one looked-up "
+        "path: at depth 8 it accepts what its gamma-8 chain does, 2.40 tokens a verification "
+        "against 2.12 at depth 4)",
     )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--skip-1b", action="store_true")
