@@ -46,12 +46,13 @@ MIN_GEMM_ROWS: int | None = int(_ROWS_ENV) if _ROWS_ENV else None
 ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "stream")
 
 
-# The fused projection kernels (pallas_kernels/fused_linear.py: norm + Q/K/V + RoPE, norm +
-# gate/up + SiLU*mul, projection + residual) for steps of at most fused_linear.MAX_ROWS rows.
-# 'off' (the default: on the H200 they made the SmolLM2-shape step slower, 1.35 ms against 1.05;
-# benchmarks/notes/small_step_probe.md); 'auto': on GPU, unless the weights are sharded over several
-# devices (tensor parallel: the kernels see whole weights, so the partitioner would gather them);
-# 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
+# The split-K projection kernels (pallas_kernels/fused_linear.py: residual add + norm + Q/K/V,
+# o_proj, residual add + norm + gate/up, SiLU*mul + down; each hands float32 partial sums to the
+# next) for steps of at most fused_linear.MAX_ROWS rows. 'off' (the default: not measured on a GPU
+# yet; their first version, without split-K, made the SmolLM2-shape step slower on the H200, 1.35
+# ms against 1.05: benchmarks/notes/small_step_probe.md); 'auto': on GPU, unless the weights are
+# sharded over several devices (tensor parallel: the kernels see whole weights, so the partitioner
+# would gather them); 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
 FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 # The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) for appended
 # blocks (decode steps, chain and tree verifies): 'auto' (the default: on GPU, unless the program
@@ -99,7 +100,7 @@ def traced_for_layout(fn):
     return wrapped
 
 
-def fused_mode(rows, *arrays, head_dim: int | None = None) -> str | None:
+def fused_mode(rows, *arrays) -> str | None:
     """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
     impl = FUSED_IMPL
     if impl not in ("off", "auto", "pallas", "interpret"):
@@ -114,10 +115,7 @@ def fused_mode(rows, *arrays, head_dim: int | None = None) -> str | None:
         )
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "off"
-    if (
-        impl == "off"
-        or fused_linear.unsupported_reason(rows, *arrays, head_dim=head_dim) is not None
-    ):
+    if impl == "off" or fused_linear.unsupported_reason(rows, *arrays) is not None:
         return None
     return impl
 
@@ -205,7 +203,7 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def fused_attention(self, x, k_cache, block: Block) -> str | None:
+    def fused_attention(self, dtype, k_cache, block: Block) -> str | None:
         """'pallas' / 'interpret' when this step takes the fused RoPE + cache write + attention
         kernel, else None."""
         mode = FUSED_ATTENTION
@@ -220,7 +218,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t = block.positions.shape
         heads = cfg.num_heads + 2 * cfg.num_kv_heads
-        qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), x.dtype)
+        qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), dtype)
         why = rope_attention.unsupported_reason(qkv, cfg.num_heads, k_cache, block.block_mask)
         return mode if why is None else None
 
@@ -228,23 +226,31 @@ class Attention(nnx.Module):
         """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
         ``x``'s layout)."""
         b, t = cos.shape[:2]
-        cfg, hd = self.cfg, self.cfg.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        mode = self.fused_attention(x, k_cache, block)
+        # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
+        qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
+        out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block)
+        return self.o_proj(rows_like(out, x)), k_cache, v_cache
+
+    def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block):
+        """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
+        (or their float32 partial sums ``[P, b, t, H + 2 KH, hd]``): ``(out [b, t, H, hd],
+        k_cache, v_cache)``."""
+        cfg = self.cfg
+        mode = self.fused_attention(k_cache.dtype if qkv.ndim == 5 else qkv.dtype, k_cache, block)
         if mode is not None:
-            # one array, as the projection GEMM leaves it: the kernel gathers its heads
-            qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, hd)
-            out, k_cache, v_cache = rope_attention.rope_attention(
+            return rope_attention.rope_attention(
                 qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
                 num_heads=cfg.num_heads, interpret=mode == "interpret",
             )  # fmt: skip
-            return self.o_proj(rows_like(out, x)), k_cache, v_cache
-        q = apply_rope(tokens_of(q, b, t, cfg.num_heads, hd), cos, sin)
-        k = apply_rope(tokens_of(k, b, t, cfg.num_kv_heads, hd), cos, sin)
-        k_cache = write(k_cache, k, block.slots)
-        v_cache = write(v_cache, tokens_of(v, b, t, cfg.num_kv_heads, hd), block.slots)
+        q, k, v = rope_attention.split_heads(
+            rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
+        )
+        k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
+        v_cache = write(v_cache, v, block.slots)
+        q = apply_rope(q, cos, sin)
         out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
-        return self.o_proj(rows_like(out, x)), k_cache, v_cache
+        return out, k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -266,19 +272,15 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def fused_mode(self, x) -> str | None:
-        """The fused kernels' mode for this step (None: the plain path)."""
+        """The split-K projection kernels' mode for this step (None: the plain path)."""
         attn, mlp = self.self_attn, self.mlp
         if FUSED_IMPL == "off" or attn.cfg.qkv_bias:
             return None
         weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
         weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
-        rows = x.reshape(-1, x.shape[-1])
-        return fused_mode(rows, *weights, head_dim=attn.cfg.head_dim)
+        return fused_mode(x.reshape(-1, x.shape[-1]), *weights)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block):
-        mode = self.fused_mode(x)
-        if mode is not None:
-            return self.fused(x, cos, sin, k_cache, v_cache, length, block, mode == "interpret")
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x), cos, sin, k_cache, v_cache, length, block
         )
@@ -286,41 +288,35 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 
-    def fused(self, x, cos, sin, k_cache, v_cache, length, block, interpret: bool):
-        """The same layer in three fused projection kernels plus the cache writes and attention
-        (few rows: decode and verify steps)."""
-        b, t, d = x.shape
+    def fused(self, x, pending, cos, sin, k_cache, v_cache, length, block, interpret: bool):
+        """The same layer through the split-K projection kernels (few rows: decode and verify
+        steps). ``x [M, d]`` is the residual stream before the previous layer's down projection
+        is added, ``pending`` that projection's float32 partials (None before the first layer);
+        returns this layer's ``(x, pending, k_cache, v_cache)``."""
+        b, t = cos.shape[:2]
         attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.cfg
-        rows = x.reshape(b * t, d)
-        q, k, v = fused_linear.qkv_rope(
-            rows,
+        fl = functools.partial(fused_linear.norm_project, interpret=interpret)
+        x, qkv = fl(
+            x,
+            pending,
             self.input_layernorm.weight[...],
-            attn.q_proj.kernel[...],
-            attn.k_proj.kernel[...],
-            attn.v_proj.kernel[...],
-            cos.reshape(b * t, -1),
-            sin.reshape(b * t, -1),
+            (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...]),
             eps=self.input_layernorm.eps,
-            head_dim=cfg.head_dim,
-            interpret=interpret,
         )
-        k_cache = write(k_cache, k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), block.slots)
-        v_cache = write(v_cache, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), block.slots)
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
-        rows = fused_linear.matmul_add(
-            out.reshape(b * t, -1), attn.o_proj.kernel[...], rows, interpret=interpret
+        qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
+        out, k_cache, v_cache = attn.attend(qkv, cos, sin, k_cache, v_cache, length, block)
+        o = fused_linear.project(
+            out.reshape(b * t, -1), (attn.o_proj.kernel[...],), interpret=interpret
         )
-        h = fused_linear.gate_up(
-            rows,
+        x, gate_up = fl(
+            x,
+            o,
             self.post_attention_layernorm.weight[...],
-            mlp.gate_proj.kernel[...],
-            mlp.up_proj.kernel[...],
+            (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]),
             eps=self.post_attention_layernorm.eps,
-            interpret=interpret,
         )
-        rows = fused_linear.matmul_add(h, mlp.down_proj.kernel[...], rows, interpret=interpret)
-        return rows.reshape(b, t, d), k_cache, v_cache
+        down = fused_linear.silu_project(gate_up, mlp.down_proj.kernel[...], interpret=interpret)
+        return x, down, k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -351,10 +347,21 @@ class Transformer(nnx.Module):
             x = jnp.pad(x.reshape(b * t, -1), ((0, rows - b * t), (0, 0)))
         cos, sin = rope_tables(self.cfg, block.positions)
         ks, vs = [], []
-        for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
-            x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block)
-            ks.append(kc)
-            vs.append(vc)
+        mode = self.layers[0].fused_mode(x)
+        if mode is not None:  # the split-K projection kernels: rows [b * t, d] and partials
+            x, pending = x.reshape(b * t, -1), None
+            for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
+                x, pending, kc, vc = layer.fused(
+                    x, pending, cos, sin, kc, vc, cache.length, block, mode == "interpret"
+                )
+                ks.append(kc)
+                vs.append(vc)
+            x = fused_linear.settle(x, pending)
+        else:
+            for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
+                x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block)
+                ks.append(kc)
+                vs.append(vc)
         x = tokens_of(x, b, t, -1)
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)

@@ -1,42 +1,46 @@
-"""Fused small-row projections for decoding (issue 10): one kernel for RMSNorm + Q/K/V + RoPE, one
-for RMSNorm + gate/up + SiLU*mul, one for a projection + residual add.
+"""Split-K projections for decode and verify steps (issue 10): a layer's four projections in four
+kernels, each of which also does the elementwise work around it, and hands the next one float32
+partial sums instead of a finished product.
 
-Why: at batch 1 a small model is bound by the number and fixed cost of its kernels, not by bytes
-(SmolLM2-135M's 270 MB of weights take ~0.06 ms to read, its XLA decode step ~1.06 ms for 491
-kernels on an H200, ~2.3 us each; benchmarks/notes/small_model.md). XLA turns one decoder layer
-into ~16 kernels: the norm, Q, K, V, RoPE, the row padding GEMMs want, gate, up, SiLU*mul, down
-and the residual adds each launch. These kernels do a layer's projections in three launches
-(attention and the cache writes stay as they are).
+Why: at batch 1 a small model is bound by the number of its kernels, not by its bytes. On the
+H200 SmolLM2-135M's step is ~341 kernels of ~2.4 us, 11 a layer: the norm, the Q/K/V GEMM, its
+split-K sum, the attention kernel, its combine, o_proj, the residual add, the second norm,
+gate/up, SiLU * up and down (benchmarks/notes/small_step_probe_s9.md). XLA splits K to fill the
+GPU and sums the splits in a kernel of its own. Here the sum happens in the consumer's prologue:
 
-Contract: rows ``x [M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as
-the model stores them (``y = x @ w``), results in ``x.dtype``. Rounding happens where the plain
-path (``jaxspec.model``) rounds: the normalised row is cast to the dtype before the norm weight
-scales it, each projection is rounded before RoPE / SiLU / the residual add; sums run in float32.
-Only the summation order differs from XLA's GEMM, so float32 results agree to ~1e-6.
+- ``norm_project(x, pending, g, ws)``: ``x + round(sum(pending))`` (the residual add of the
+  previous projection), RMSNorm, then ``[n @ w for w in ws]`` as partials. Q/K/V and gate/up.
+- ``project(a, ws)``: ``a @ w`` as partials (o_proj, whose input is the attention output).
+- ``silu_project(gate_up, w)``: ``silu(round(sum gate)) * round(sum up)``, then ``@ w`` as
+  partials (down).
 
-Layout (Pallas, Triton lowering): a 1-D grid over column tiles of ``bn`` columns; program ``j``
-reads its ``[K, bn]`` weight tile in power-of-two row chunks (Triton wants power-of-two shapes;
-K = 576 = 512 + 64), multiplies the M rows, placed in a zero ``[16, chunk]`` tile inside the
-kernel (Triton's smallest dot; no padding kernel outside), into each chunk on the tensor cores,
-and writes ``[M, bn]``. RoPE
-needs both halves of a head, so the Q/K/V kernel's program reads the column tile at ``c`` and at
-``c + head_dim / 2`` and rotates them together. Every weight byte is read once per call.
+The Q/K/V partials go to ``rope_attention``, which sums them as it loads its heads; the last
+down's partials are summed by the caller. A layer is then five kernels (four projections and the
+attention) plus the attention's combine, against eleven.
 
-Measured on one H200 (``benchmarks/gpu/probe_small.py``, SmolLM2 shape, batch 1, context 1024):
-the step went from 491 kernels to 342, but from 1.05 ms to 1.35 ms. Each fused kernel took
-8.5-8.8 us (the o_proj one 4.7 us), whatever the chunk size (256 or 1024 rows), warp count (4
-or 8) or product (CUDA-core sums or tensor-core dots). The time follows the bytes each program
-reads: o_proj (576 weight rows a program) 4.7 us, down (1536) 8.8 us, so ~7 GB/s per program at
-the margin. That is what one SM gets with few loads in flight, and the grids are small (30-96
-programs on 132 SMs). The likely fix, not yet tried: more programs per weight, splitting K
-with float32 partial sums merged in the epilogue, as the decode-attention kernel splits its
-keys. Until then the model leaves these kernels off (``JAXSPEC_FUSED_LINEAR``, see
-``jaxspec.model``).
+The earlier version of this file (one kernel a projection, no split-K, ``[K, 16]`` weight tiles)
+took 8.5-8.8 us a kernel on the H200: 30-96 programs each reading a narrow column strip, ~7 GB/s
+per program (benchmarks/notes/small_step_probe.md). Here program ``(j, s)`` of the grid
+``(column tiles, K splits)`` reads one ``[BK, BN]`` tile (``BN`` = 64 bf16 columns: one 128-byte
+line a row), so a SmolLM2 projection has 100-220 programs whose loads all issue at once.
+
+**Not measured on a GPU yet**: the model keeps these kernels off unless ``JAXSPEC_FUSED_LINEAR``
+turns them on (``jaxspec/model.py``). ``JAXSPEC_FUSED_BN`` / ``JAXSPEC_FUSED_BK`` /
+``JAXSPEC_FUSED_WARPS`` set the tiling for A/B runs.
+
+Contract: rows ``[M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as the
+model stores them (``y = x @ w``), partials ``[S, M, sum N]`` float32 with ``S = ceil(K / BK)``,
+the weights' columns side by side. Rounding happens where the plain path (``jaxspec.model``)
+rounds: each projection's sum is rounded to the input dtype before the residual add or SiLU, the
+normalised row before the norm weight scales it. Products are exact in float32 and summed in
+float32, so only the summation order differs from XLA's GEMM (float32 results agree to ~1e-6).
+Rows and columns past the arrays' ends are masked, so any M, K and N work.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -45,53 +49,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-MAX_ROWS = 16  # more rows: XLA's GEMMs win, the dispatcher falls back
-ROWS = 16  # rows of the tensor-core tile (Triton's smallest dot); rows past M are zeros
-# Rows of a weight tile loaded at once (register pressure; 256 and 1024 measured the same on the
-# H200, see the module docstring).
-MAX_CHUNK = int(os.environ.get("JAXSPEC_FUSED_CHUNK", "1024"))
+MAX_ROWS = 16  # more rows: XLA's GEMMs win, the model takes the plain path
+DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
+BN = int(os.environ.get("JAXSPEC_FUSED_BN", "64"))  # columns a program (powers of two)
+BK = int(os.environ.get("JAXSPEC_FUSED_BK", "64"))  # rows of the weight a program (its K split)
+NUM_WARPS = int(os.environ.get("JAXSPEC_FUSED_WARPS", "4"))
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _chunks(k: int) -> list[tuple[int, int]]:
-    """``[0, k)`` cut into power-of-two pieces of at most MAX_CHUNK: (offset, size)."""
-    out, off = [], 0
-    while off < k:
-        size = min(MAX_CHUNK, 1 << ((k - off).bit_length() - 1))
-        out.append((off, size))
-        off += size
-    return out
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
 
 
-def _tile(n: int, want: int) -> int:
-    """Column tile: the largest power of two <= ``want`` that divides ``n`` (>= 16 where
-    ``unsupported_reason`` passed)."""
-    bn = want
-    while bn > 1 and n % bn:
-        bn //= 2
-    return bn
+def n_splits(k: int, bk: int | None = None) -> int:
+    """Partial sums a projection over rows of width ``k`` hands on."""
+    return math.ceil(k / (bk or BK))
 
 
-def unsupported_reason(x, *weights, head_dim: int | None = None) -> str | None:
-    """Why these kernels cannot take these arrays (``None`` when they can). Triton's dot wants
-    tiles of at least 16 x 16: K, the weight widths and half a head are multiples of 16."""
+def unsupported_reason(x, *weights) -> str | None:
+    """Why these kernels cannot take these arrays (``None`` when they can)."""
     if x.ndim != 2:
         return f"rows must be [M, K], got {x.shape}"
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows not in [1, {MAX_ROWS}]"
-    if k % 16:
-        return f"row width {k} not a multiple of 16"
-    if head_dim is not None and (head_dim // 2) % 16:
-        return f"head_dim {head_dim}: half a head is not a multiple of 16"
     dts = {jnp.dtype(a.dtype) for a in (x, *weights)}
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for all)"
     for w in weights:
         if w.ndim != 2 or w.shape[0] != k:
             return f"weight {w.shape} does not take rows of width {k}"
-        if w.shape[1] % 16:
-            return f"weight width {w.shape[1]} not a multiple of 16"
     return None
 
 
@@ -108,214 +95,205 @@ def _mm(x, w):
     return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
-def _rope(x, cos, sin, hd):
-    m = x.shape[0]
-    xf = x.reshape(m, -1, hd).astype(jnp.float32)
-    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.reshape(m, -1).astype(x.dtype)
+def settle(x, pending):
+    """``x + round(sum(pending))``: the residual add of a projection handed on as partials (the
+    identity when ``pending`` is None)."""
+    if pending is None:
+        return x
+    return x + jnp.sum(pending, axis=0).astype(x.dtype)
 
 
-def qkv_rope_reference(x, g, wq, wk, wv, cos, sin, *, eps: float, head_dim: int):
-    """``rope(n @ wq), rope(n @ wk), n @ wv`` with ``n = rmsnorm(x) * g``; cos/sin ``[M, hd/2]``."""
+def norm_project_reference(x, pending, g, ws, *, eps: float):
+    """``(x', [n @ w for w in ws])`` with ``x' = settle(x, pending)``, ``n = rmsnorm(x') * g``."""
+    x = settle(x, pending)
     n = rms(x, g, eps)
-    return _rope(_mm(n, wq), cos, sin, head_dim), _rope(_mm(n, wk), cos, sin, head_dim), _mm(n, wv)
+    return x, [_mm(n, w) for w in ws]
 
 
-def gate_up_reference(x, g, wg, wu, *, eps: float):
-    """``silu(n @ wg) * (n @ wu)`` with ``n = rmsnorm(x) * g``."""
-    n = rms(x, g, eps)
-    return jax.nn.silu(_mm(n, wg)) * _mm(n, wu)
-
-
-def matmul_add_reference(x, w, r):
-    """``r + x @ w``."""
-    return r + _mm(x, w)
+def silu_project_reference(gate_up, w, dtype):
+    """``(silu(gate) * up) @ w`` with gate / up the rounded sums of the partials' two halves."""
+    f = gate_up.shape[-1] // 2
+    s = jnp.sum(gate_up, axis=0).astype(dtype)
+    return _mm(jax.nn.silu(s[:, :f]) * s[:, f:], w)
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-
-
-def _rows(x_ref, g_ref, m: int, k: int, eps: float | None):
-    """Per chunk of K: the M rows as a ``[ROWS, size]`` tile (rows past M are zero), normalised
-    and scaled when ``eps`` is given, rounded to the input dtype where the plain path rounds."""
-    dt = x_ref.dtype
-    chunks = _chunks(k)
-    tiles = []
-    for off, size in chunks:
-        row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, size), 0)
-        t = jnp.zeros((ROWS, size), jnp.float32)
-        for r in range(m):
-            t = jnp.where(row == r, x_ref[r, pl.ds(off, size)].astype(jnp.float32)[None, :], t)
-        tiles.append(t)
-    if eps is not None:
-        ss = sum(jnp.sum(t * t, axis=1) for t in tiles)
-        inv = jax.lax.rsqrt(ss / k + eps)[:, None]
-        tiles = [
-            _round(g_ref[pl.ds(off, size)].astype(jnp.float32)[None, :] * _round(t * inv, dt), dt)
-            for t, (off, size) in zip(tiles, chunks, strict=True)
-        ]
-    return [t.astype(dt) for t in tiles]
-
-
-def _gemv(tiles, w_ref, col, bn: int, k: int, m: int):
-    """Per row: ``row @ w[:, col:col+bn]`` in float32, from one tensor-core product per chunk
-    (rows padded to ROWS inside the kernel; the weight tile is read once)."""
-    acc = jnp.zeros((ROWS, bn), jnp.float32)
-    for t, (off, size) in zip(tiles, _chunks(k), strict=True):
-        w = w_ref[pl.ds(off, size), pl.ds(col, bn)]
-        acc = acc + jax.lax.dot_general(
-            t,
-            w,
-            (((1,), (0,)), ((), ())),
-            precision=jax.lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )
-    row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, bn), 0)
-    return [jnp.sum(jnp.where(row == r, acc, 0.0), axis=0) for r in range(m)]
 
 
 def _round(v, dt):
     return v.astype(dt).astype(jnp.float32)
 
 
-def _qkv_kernel(
-    x_ref, g_ref, wq_ref, wk_ref, wv_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, m, k, eps, hd,
-    bn, nq, nk
-):  # fmt: skip
-    half = hd // 2
-    per_head = half // bn
-    pid = pl.program_id(0)
-    head, sub = pid // per_head, pid % per_head
-    dt = x_ref.dtype
-    rows = _rows(x_ref, g_ref, m, k, eps)
-
-    def rotated(w_ref, out_ref, h):
-        c1 = h * hd + sub * bn
-        a = _gemv(rows, w_ref, c1, bn, k, m)
-        b = _gemv(rows, w_ref, c1 + half, bn, k, m)
-        for r in range(m):
-            cs = cos_ref[r, pl.ds(sub * bn, bn)]
-            sn = sin_ref[r, pl.ds(sub * bn, bn)]
-            ar, br = _round(a[r], dt), _round(b[r], dt)
-            out_ref[r, pl.ds(c1, bn)] = (ar * cs - br * sn).astype(dt)
-            out_ref[r, pl.ds(c1 + half, bn)] = (br * cs + ar * sn).astype(dt)
-
-    def plain(w_ref, out_ref, h):
-        c1 = h * hd + sub * bn
-        a = _gemv(rows, w_ref, c1, bn, k, m)
-        b = _gemv(rows, w_ref, c1 + half, bn, k, m)
-        for r in range(m):
-            out_ref[r, pl.ds(c1, bn)] = a[r].astype(dt)
-            out_ref[r, pl.ds(c1 + half, bn)] = b[r].astype(dt)
-
-    @pl.when(head < nq)
-    def _():
-        rotated(wq_ref, q_ref, head)
-
-    @pl.when((head >= nq) & (head < nq + nk))
-    def _():
-        rotated(wk_ref, k_ref, head - nq)
-
-    @pl.when(head >= nq + nk)
-    def _():
-        plain(wv_ref, v_ref, head - nq - nk)
+def _load(ref, rows: int, m: int, c0, width: int, limit: int, *lead):
+    """``ref[*lead, :rows, c0:c0+width]`` in float32; rows past ``m`` and columns past ``limit``
+    read as zero."""
+    ok = (jnp.arange(rows) < m)[:, None] & ((c0 + jnp.arange(width)) < limit)[None, :]
+    idx = (*(jnp.int32(i) for i in lead), pl.ds(0, rows), pl.ds(c0, width))
+    return plgpu.load(ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
 
 
-def _gate_up_kernel(x_ref, g_ref, wg_ref, wu_ref, o_ref, *, m, k, eps, bn):
-    col = pl.program_id(0) * bn
-    dt = x_ref.dtype
-    rows = _rows(x_ref, g_ref, m, k, eps)
-    gate = _gemv(rows, wg_ref, col, bn, k, m)
-    up = _gemv(rows, wu_ref, col, bn, k, m)
-    for r in range(m):
-        gr = _round(gate[r], dt)
-        # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision allowed)
-        act = gr * jax.nn.sigmoid(gr)
-        o_ref[r, pl.ds(col, bn)] = (act * _round(up[r], dt)).astype(dt)
+def _summed(ref, parts: int, rows: int, m: int, c0, width: int, limit: int, dt):
+    """The rounded sum of ``parts`` partials' ``[:rows, c0:c0+width]`` (summed in order)."""
+    total = _load(ref, rows, m, c0, width, limit, 0)
+    for s in range(1, parts):
+        total = total + _load(ref, rows, m, c0, width, limit, s)
+    return _round(total, dt)
 
 
-def _matmul_add_kernel(x_ref, w_ref, r_ref, o_ref, *, m, k, bn):
-    col = pl.program_id(0) * bn
-    dt = x_ref.dtype
-    rows = _rows(x_ref, None, m, k, None)
-    acc = _gemv(rows, w_ref, col, bn, k, m)
-    for r in range(m):
-        res = r_ref[r, pl.ds(col, bn)].astype(jnp.float32)
-        o_ref[r, pl.ds(col, bn)] = (res + _round(acc[r], dt)).astype(dt)
+def _project(a, w_refs, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: int):
+    """Program ``(j, s)``: ``a [rows, bk]`` (float32 holding input-dtype values: the rows' K
+    split ``s``) times the weight tile of column tile ``j``, stored as partial ``s``. Column tiles
+    run over the weights side by side; the branch that owns tile ``j`` runs."""
+    j, s = pl.program_id(0), pl.program_id(1)
+    rows = a.shape[0]
+    first, out0 = 0, 0
+    for w_ref, n in zip(w_refs, widths, strict=True):
+        tiles = -(-n // bn)
+
+        @pl.when((j >= first) & (j < first + tiles))
+        def _(w_ref=w_ref, n=n, first=first, out0=out0):
+            c = pl.multiple_of((j - first) * bn, bn)
+            ok = ((k0 + jnp.arange(bk)) < kdim)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
+            w = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0.0)
+            if rows == 1:  # one row: products on the CUDA cores, summed over the split
+                acc = jnp.sum(a[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
+            else:  # tensor cores; a holds values of w's dtype, so the cast is exact
+                acc = jax.lax.dot_general(
+                    a.astype(w.dtype),
+                    w,
+                    (((1,), (0,)), ((), ())),
+                    precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32,
+                )
+            live = (jnp.arange(rows) < m)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
+            plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(out0 + c, bn)], acc, mask=live)
+
+        first, out0 = first + tiles, out0 + n
 
 
-NUM_WARPS = int(os.environ.get("JAXSPEC_FUSED_WARPS", "4"))
+def _norm_kernel(*refs, n_w, parts, widths, m, k, eps, bn, bk, rows, dt):
+    x_ref, *rest = refs
+    p_ref = rest.pop(0) if parts else None
+    g_ref, *rest = rest
+    w_refs, (o_ref, xo_ref) = rest[:n_w], rest[n_w:]
+    k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+
+    def settled(c0, width):  # x + round(sum(pending)) over columns [c0, c0 + width)
+        x = _load(x_ref, rows, m, c0, width, k)
+        return x if not parts else _round(x + _summed(p_ref, parts, rows, m, c0, width, k, dt), dt)
+
+    full = settled(0, _pow2(k))  # the whole row, for the norm's sum of squares
+    inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
+    x = settled(k0, bk)  # this split's columns (the same arithmetic, so the same values)
+    g = plgpu.load(g_ref.at[pl.ds(k0, bk)], mask=(k0 + jnp.arange(bk)) < k, other=0.0)
+    a = _round(g.astype(jnp.float32)[None, :] * _round(x * inv, dt), dt)
+    _project(a, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
+    live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
+    put = live & (pl.program_id(0) == 0)  # one column tile writes the settled residual
+    plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=put)
 
 
-def _call(kernel, grid, out_shape, args, interpret, num_warps=NUM_WARPS):
+def _plain_kernel(a_ref, *refs, n_w, widths, m, k, bn, bk, rows):
+    w_refs, o_ref = refs[:n_w], refs[n_w]
+    k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+    a = _load(a_ref, rows, m, k0, bk, k)
+    _project(a, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
+
+
+def _silu_kernel(p_ref, w_ref, o_ref, *, parts, widths, m, k, bn, bk, rows, dt):
+    k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+    gate = _summed(p_ref, parts, rows, m, k0, bk, k, dt)
+    up = _summed(p_ref, parts, rows, m, k + k0, bk, 2 * k, dt)
+    # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision), then rounds
+    a = _round(gate * jax.nn.sigmoid(gate) * up, dt)
+    _project(a, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
+
+
+def _grid(widths, k: int, bn: int, bk: int):
+    return (sum(-(-n // bn) for n in widths), n_splits(k, bk))
+
+
+def _call(kernel, grid, out_shape, args, interpret, name):
     return pl.pallas_call(
         kernel,
         grid=grid,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
+        name=name,
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "head_dim", "interpret", "bn"))
-def qkv_rope(
-    x: Float[Array, "m k"],
-    g: Float[Array, " k"],
-    wq: Float[Array, "k nq"],
-    wk: Float[Array, "k nk"],
-    wv: Float[Array, "k nk"],
-    cos: Float[Array, "m half"],
-    sin: Float[Array, "m half"],
-    *,
-    eps: float,
-    head_dim: int,
-    interpret: bool = False,
-    bn: int = 16,
-):
-    """The kernel version of :func:`qkv_rope_reference`: ``(q, k, v)`` rows in ``x.dtype``."""
-    m, k = x.shape
-    bn = _tile(head_dim // 2, bn)
-    nq, nk = wq.shape[1] // head_dim, wk.shape[1] // head_dim
-    grid = ((nq + 2 * nk) * (head_dim // 2 // bn),)
-    kern = functools.partial(_qkv_kernel, m=m, k=k, eps=eps, hd=head_dim, bn=bn, nq=nq, nk=nk)
-    shapes = [jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype) for w in (wq, wk, wv)]
-    args = (x, g, wq, wk, wv, cos.astype(jnp.float32), sin.astype(jnp.float32))
-    return tuple(_call(kern, grid, shapes, args, interpret))
+def _partials(m, widths, k, bk):
+    return jax.ShapeDtypeStruct((n_splits(k, bk), m, sum(widths)), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn"))
-def gate_up(
+def _rows(m: int) -> int:
+    return 1 if m == 1 else DOT_ROWS
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn", "bk"))
+def norm_project(
     x: Float[Array, "m k"],
+    pending: Float[Array, "p m k"] | None,
     g: Float[Array, " k"],
-    wg: Float[Array, "k f"],
-    wu: Float[Array, "k f"],
+    ws: tuple[Float[Array, "k _"], ...],
     *,
     eps: float,
     interpret: bool = False,
-    bn: int = 16,
-) -> Float[Array, "m f"]:
-    """The kernel version of :func:`gate_up_reference`."""
-    m, k = x.shape
-    bn = _tile(wg.shape[1], bn)
-    kern = functools.partial(_gate_up_kernel, m=m, k=k, eps=eps, bn=bn)
-    shape = jax.ShapeDtypeStruct((m, wg.shape[1]), x.dtype)
-    return _call(kern, (wg.shape[1] // bn,), shape, (x, g, wg, wu), interpret)
+    bn: int | None = None,
+    bk: int | None = None,
+) -> tuple[Float[Array, "m k"], Float[Array, "s m n"]]:
+    """The kernel version of :func:`norm_project_reference`: ``(x', partials)``."""
+    (m, k), bn, bk = x.shape, bn or BN, bk or BK
+    widths = tuple(w.shape[1] for w in ws)
+    parts = 0 if pending is None else pending.shape[0]
+    kern = functools.partial(
+        _norm_kernel, n_w=len(ws), parts=parts, widths=widths, m=m, k=k, eps=eps, bn=bn, bk=bk,
+        rows=_rows(m), dt=x.dtype,
+    )  # fmt: skip
+    args = (x, *(() if pending is None else (pending,)), g, *ws)
+    shapes = (_partials(m, widths, k, bk), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    part, settled = _call(kern, _grid(widths, k, bn, bk), shapes, args, interpret, "norm_project")
+    return settled, part
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "bn"))
-def matmul_add(
-    x: Float[Array, "m k"],
-    w: Float[Array, "k n"],
-    r: Float[Array, "m n"],
+@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk"))
+def project(
+    a: Float[Array, "m k"],
+    ws: tuple[Float[Array, "k _"], ...],
     *,
     interpret: bool = False,
-    bn: int = 16,
-) -> Float[Array, "m n"]:
-    """The kernel version of :func:`matmul_add_reference`."""
-    m, k = x.shape
-    bn = _tile(w.shape[1], bn)
-    kern = functools.partial(_matmul_add_kernel, m=m, k=k, bn=bn)
-    shape = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
-    return _call(kern, (w.shape[1] // bn,), shape, (x, w, r), interpret)
+    bn: int | None = None,
+    bk: int | None = None,
+) -> Float[Array, "s m n"]:
+    """``[a @ w for w in ws]`` as float32 partials ``[S, M, sum N]``."""
+    (m, k), bn, bk = a.shape, bn or BN, bk or BK
+    widths = tuple(w.shape[1] for w in ws)
+    kern = functools.partial(
+        _plain_kernel, n_w=len(ws), widths=widths, m=m, k=k, bn=bn, bk=bk, rows=_rows(m)
+    )
+    shape = _partials(m, widths, k, bk)
+    return _call(kern, _grid(widths, k, bn, bk), shape, (a, *ws), interpret, "project")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk"))
+def silu_project(
+    gate_up: Float[Array, "p m f2"],
+    w: Float[Array, "f n"],
+    *,
+    interpret: bool = False,
+    bn: int | None = None,
+    bk: int | None = None,
+) -> Float[Array, "s m n"]:
+    """The kernel version of :func:`silu_project_reference`, as partials; ``gate_up`` holds the
+    partials of ``norm_project(..., (w_gate, w_up))``."""
+    parts, m, f2 = gate_up.shape
+    k, bn, bk = f2 // 2, bn or BN, bk or BK
+    widths = (w.shape[1],)
+    kern = functools.partial(
+        _silu_kernel, parts=parts, widths=widths, m=m, k=k, bn=bn, bk=bk, rows=_rows(m),
+        dt=w.dtype,
+    )  # fmt: skip
+    shape = _partials(m, widths, k, bk)
+    return _call(kern, _grid(widths, k, bn, bk), shape, (gate_up, w), interpret, "silu_project")

@@ -17,6 +17,10 @@ before RoPE), and per program:
 - in the last split of the first row tile, stores the rotated keys and the values into the
   cache at their slots. The caches are aliased inputs/outputs, so only those rows change.
 
+``qkv`` may also be float32 partial sums ``[P, B, T, H + 2 KH, hd]`` (the split-K projection
+kernels of ``fused_linear``): each load then sums the P partials and rounds to the cache's dtype,
+so the projection's split-K sum needs no kernel of its own.
+
 So nothing sits between the projection GEMM and this kernel but the GEMM's own epilogue (on the
 H200, XLA's split-K sum): the first version, which took Q rotated and transposed for the kernel
 and K and V as two slices, left three such fusions per layer (session 8's probe:
@@ -57,7 +61,7 @@ def split_heads(qkv, num_heads: int, num_kv_heads: int):
 
 
 def reference(
-    qkv: Float[Array, "b t nh hd"],
+    qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
     cos: Float[Array, "b t half"],
     sin: Float[Array, "b t half"],
     k_cache: Float[Array, "b s kh hd"],
@@ -68,15 +72,27 @@ def reference(
     *,
     num_heads: int,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
-    """The unfused path: rotate the new queries and keys, write K/V into their slots, attend."""
+    """The unfused path: rotate the new queries and keys, write K/V into their slots, attend.
+    ``qkv`` may be float32 partial sums ``[P, B, T, H + 2 KH, hd]`` (``fused_linear``'s): their
+    sum, rounded to the cache's dtype, is the projection."""
+    qkv = settled_qkv(qkv, k_cache.dtype)
     q, k, v = split_heads(qkv, num_heads, k_cache.shape[2])
     k_cache = write(k_cache, apply_rope(k, cos, sin), slots)
     v_cache = write(v_cache, v, slots)
     return attend(apply_rope(q, cos, sin), k_cache, v_cache, length, block_mask), k_cache, v_cache
 
 
+def settled_qkv(qkv, dtype):
+    """``qkv``, or the rounded sum of its partials when it has a leading partial axis."""
+    return jnp.sum(qkv, axis=0).astype(dtype) if qkv.ndim == 5 else qkv
+
+
 def unsupported_reason(qkv, num_heads: int, k_cache, block_mask) -> str | None:
     """Why the kernel cannot take these shapes (``None`` when it can)."""
+    if qkv.ndim == 5:  # partial sums: float32, rounded to the cache's dtype in the kernel
+        if jnp.dtype(qkv.dtype) != jnp.dtype(jnp.float32):
+            return f"qkv partials must be float32, got {qkv.dtype}"
+        qkv = jax.ShapeDtypeStruct(qkv.shape[1:], k_cache.dtype)
     b, t, nh, hd = qkv.shape
     kh = k_cache.shape[2]
     if nh != num_heads + 2 * kh:
@@ -125,8 +141,19 @@ def _kernel(
     n_pad: int,
     half: int,
     g: int,
+    parts: int,
 ):
     row_tile = pl.program_id(0)
+    dt = ko_ref.dtype
+
+    def new(ref, idx, mask):  # qkv[idx], or the rounded sum of its partials' [s, idx]
+        if not parts:
+            return plgpu.load(ref.at[idx], mask=mask, other=0.0)
+        total = plgpu.load(ref.at[(jnp.int32(0), *idx)], mask=mask, other=0.0)
+        for s in range(1, parts):
+            total = total + plgpu.load(ref.at[(jnp.int32(s), *idx)], mask=mask, other=0.0)
+        return total.astype(dt)
+
     split = pl.program_id(2)
     length = jnp.maximum(len_ref[()], 0)
     prefix = jnp.minimum(length, seq_len)
@@ -139,8 +166,8 @@ def _kernel(
     # gathers with one index array per dimension, all [block_m, half]
     tok, head = (jnp.broadcast_to(x[:, None], (block_m, half)) for x in (tok, head))
     col = jnp.broadcast_to(jnp.arange(half)[None, :], (block_m, half))
-    q1 = plgpu.load(q_ref.at[tok, head, col], mask=lanes, other=0.0)
-    q2 = plgpu.load(q_ref.at[tok, head, col + half], mask=lanes, other=0.0)
+    q1 = new(q_ref, (tok, head, col), lanes)
+    q2 = new(q_ref, (tok, head, col + half), lanes)
     qc = plgpu.load(cos_ref.at[tok, col], mask=lanes, other=0.0)
     qs = plgpu.load(sin_ref.at[tok, col], mask=lanes, other=0.0)
     q1, q2 = rotate(q1, q2, qc, qs)  # [block_m, half]: the halves RoPE pairs
@@ -163,9 +190,9 @@ def _kernel(
     real = cols < n_new
     valid = real & (length + cols < seq_len)
     new_rows = real[:, None]
-    kh1 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(0, half)], mask=new_rows, other=0.0)
-    kh2 = plgpu.load(kn_ref.at[pl.ds(0, n_pad), pl.ds(half, half)], mask=new_rows, other=0.0)
-    vb = plgpu.load(vn_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    kh1 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(0, half)), new_rows)
+    kh2 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(half, half)), new_rows)
+    vb = new(vn_ref, (pl.ds(0, n_pad), pl.ds(0, 2 * half)), new_rows)
     c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
     sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
     slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
@@ -206,7 +233,7 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
 def rope_attention(
-    qkv: Float[Array, "b t nh hd"],
+    qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
     cos: Float[Array, "b t half"],
     sin: Float[Array, "b t half"],
     k_cache: Float[Array, "b s kh hd"],
@@ -219,12 +246,14 @@ def rope_attention(
     interpret: bool = False,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``reference``'s result in one kernel plus the combine: (attention output, K cache, V
-    cache). ``qkv`` holds the projections before RoPE; the caches are donated (updated in
-    place)."""
+    cache). ``qkv`` holds the projections before RoPE, or their float32 partial sums
+    ``[P, B, T, H + 2 KH, hd]``, summed as the kernel loads them; the caches are donated
+    (updated in place)."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
-    b, t, nh, hd = qkv.shape
+    parts = qkv.shape[0] if qkv.ndim == 5 else 0
+    b, t, nh, hd = qkv.shape[-4:]
     _, s, kh, _ = k_cache.shape
     h = num_heads
     g = h // kh
@@ -247,11 +276,16 @@ def rope_attention(
         n_pad=n_pad,
         half=hd // 2,
         g=g,
+        parts=parts,
     )
+    lead = (parts,) if parts else ()  # the partials' axis rides whole in every block
+    z = (0,) if parts else ()
     kv_spec = pl.BlockSpec((None, s, None, hd), lambda i, hh, j, bb: (bb, 0, hh, 0))
 
     def head_spec(first):  # one KV head's new rows: qkv's head ``first + kv head``
-        return pl.BlockSpec((None, t, None, hd), lambda i, hh, j, bb: (bb, 0, first + hh, 0))
+        return pl.BlockSpec(
+            (*lead, None, t, None, hd), lambda i, hh, j, bb: (*z, bb, 0, first + hh, 0)
+        )
 
     tab_spec = pl.BlockSpec((None, t, hd // 2), lambda i, hh, j, bb: (bb, 0, 0))
     f32 = jnp.float32
@@ -261,7 +295,9 @@ def rope_attention(
         in_specs=[
             pl.BlockSpec((None,), lambda i, hh, j, bb: (bb,)),
             pl.BlockSpec((None, t), lambda i, hh, j, bb: (bb, 0)),
-            pl.BlockSpec((None, t, nh, hd), lambda i, hh, j, bb: (bb, 0, 0, 0)),  # queries
+            pl.BlockSpec(
+                (*lead, None, t, nh, hd), lambda i, hh, j, bb: (*z, bb, 0, 0, 0)
+            ),  # queries
             head_spec(h),  # this program's new keys
             head_spec(h + kh),  # and values
             tab_spec,
@@ -300,5 +336,5 @@ def rope_attention(
         v_cache,
         bmr,
     )
-    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, qkv.dtype)
+    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, k_cache.dtype)
     return out, k_cache, v_cache

@@ -1,9 +1,9 @@
-"""The fused projection kernels (pallas_kernels/fused_linear.py) against their pure-jnp
+"""The split-K projection kernels (pallas_kernels/fused_linear.py) against their pure-jnp
 references on fresh random inputs, and a model decoding through them against the plain path.
 
 On CPU the kernels run through the Pallas interpreter, whose outputs start as NaN: an element a
-kernel forgets to write shows up. Row counts and widths are odd on purpose (K = 80 = 64 + 16
-exercises the power-of-two chunking, M = 3 / 5 / 16 the per-row loops)."""
+kernel forgets to write shows up. Sizes are odd on purpose and tiles small (``bn``, ``bk``), so
+every case has several column tiles and K splits, and tiles that hang past the arrays' ends."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import jaxspec
 import jaxspec.model as jm
 from pallas_kernels import fused_linear as fl
+from pallas_kernels import rope_attention
 from tests import tiny
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -25,68 +26,59 @@ def _arr(rng, shape, dtype, scale=1.0):
     return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
 
 
-def _rope_tables(rng, m, hd):
-    pos = rng.integers(0, 4000, m)
-    inv = 1.0 / (10000.0 ** (np.arange(hd // 2) * 2 / hd))
-    ang = pos[:, None] * inv
-    return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
-
-
 def _close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
     assert not np.isnan(got).any(), "an output element was never written"
     scale = max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * scale)
 
 
-CASES = [  # (rows, K, head_dim, q heads, kv heads, MLP width)
-    (1, 80, 32, 3, 1, 48),
-    (3, 96, 32, 4, 2, 32),
-    (5, 64, 64, 2, 2, 48),
-    (16, 48, 32, 6, 3, 64),
+CASES = [  # (rows, K, widths of the weights side by side, MLP width, bn, bk)
+    (1, 80, (48, 40), 48, 16, 32),
+    (3, 96, (64, 16), 40, 32, 16),
+    (16, 50, (30, 20, 20), 24, 16, 16),
 ]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m, k, hd, nq, nk, f", CASES)
-def test_kernels_match_references(m, k, hd, nq, nk, f, dtype):
+@pytest.mark.parametrize("m, k, widths, f, bn, bk", CASES)
+def test_kernels_match_references(m, k, widths, f, bn, bk, dtype):
     rng = np.random.default_rng(m * 1000 + k)
+    tile = dict(interpret=INTERPRET, bn=bn, bk=bk)
     x, g = _arr(rng, (m, k), dtype), _arr(rng, (k,), dtype)
-    wq, wk, wv = (_arr(rng, (k, n * hd), dtype, 0.2) for n in (nq, nk, nk))
-    cos, sin = _rope_tables(rng, m, hd)
-    got = fl.qkv_rope(x, g, wq, wk, wv, cos, sin, eps=1e-5, head_dim=hd, interpret=INTERPRET)
-    want = fl.qkv_rope_reference(x, g, wq, wk, wv, cos, sin, eps=1e-5, head_dim=hd)
-    for a, b in zip(got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == dtype
-        _close(a, b, dtype)
-    wg, wu = _arr(rng, (k, f), dtype, 0.2), _arr(rng, (k, f), dtype, 0.2)
+    ws = tuple(_arr(rng, (k, n), dtype, 0.2) for n in widths)
+    for pending in (None, _arr(rng, (3, m, k), jnp.float32)):
+        settled, part = fl.norm_project(x, pending, g, ws, eps=1e-5, **tile)
+        want_x, want = fl.norm_project_reference(x, pending, g, ws, eps=1e-5)
+        assert part.shape == (fl.n_splits(k, bk), m, sum(widths)) and part.dtype == jnp.float32
+        assert not np.isnan(np.asarray(part)).any(), "a partial was never written"
+        # the residual add is the reference's to the bit (same operations, same order)
+        np.testing.assert_array_equal(np.asarray(settled), np.asarray(want_x))
+        _close(jnp.sum(part, axis=0), jnp.concatenate(want, axis=1), dtype)
+    a = _arr(rng, (m, k), dtype)
     _close(
-        fl.gate_up(x, g, wg, wu, eps=1e-5, interpret=INTERPRET),
-        fl.gate_up_reference(x, g, wg, wu, eps=1e-5),
+        jnp.sum(fl.project(a, ws, **tile), axis=0),
+        jnp.concatenate([fl._mm(a, w) for w in ws], 1),
         dtype,
     )
-    h, wd = _arr(rng, (m, f), dtype), _arr(rng, (f, k), dtype, 0.2)
-    _close(fl.matmul_add(h, wd, x, interpret=INTERPRET), fl.matmul_add_reference(h, wd, x), dtype)
+    gate_up, wd = _arr(rng, (4, m, 2 * f), jnp.float32), _arr(rng, (f, k), dtype, 0.2)
+    got = fl.silu_project(gate_up, wd, **tile)
+    assert got.shape == (fl.n_splits(f, bk), m, k)
+    _close(jnp.sum(got, axis=0), fl.silu_project_reference(gate_up, wd, dtype), dtype)
 
 
-def test_rope_is_applied_to_q_and_k_only():
-    """A negative control for the RoPE pairing: at position 0 RoPE is the identity, elsewhere q and
-    k change and v never does."""
+def test_silu_takes_gate_and_up_from_their_halves():
+    """A negative control for the gate / up pairing: swapping the halves changes the result
+    (SiLU is not symmetric), and the kernel follows the reference either way."""
     rng = np.random.default_rng(7)
-    m, k, hd = 2, 32, 32
-    x, g = _arr(rng, (m, k), jnp.float32), _arr(rng, (k,), jnp.float32)
-    wq, wk, wv = (_arr(rng, (k, 2 * hd), jnp.float32) for _ in range(3))
-    zero = jnp.zeros((m, hd // 2), jnp.float32)
-    plain = fl.qkv_rope(
-        x, g, wq, wk, wv, zero + 1, zero, eps=1e-5, head_dim=hd, interpret=INTERPRET
-    )
-    cos, sin = _rope_tables(rng, m, hd)
-    rot = fl.qkv_rope(x, g, wq, wk, wv, cos, sin, eps=1e-5, head_dim=hd, interpret=INTERPRET)
-    n = fl.rms(x, g, 1e-5)
-    for got, w in zip(plain, (wq, wk, wv), strict=True):
-        _close(got, n @ w, jnp.float32)
-    assert not np.allclose(rot[0], plain[0]) and not np.allclose(rot[1], plain[1])
-    _close(rot[2], plain[2], jnp.float32)
+    gate_up, wd = _arr(rng, (2, 1, 32), jnp.float32), _arr(rng, (16, 8), jnp.float32)
+    swapped = jnp.concatenate([gate_up[..., 16:], gate_up[..., :16]], axis=-1)
+    tile = dict(interpret=INTERPRET, bn=16, bk=16)
+    a = jnp.sum(fl.silu_project(gate_up, wd, **tile), axis=0)
+    b = jnp.sum(fl.silu_project(swapped, wd, **tile), axis=0)
+    assert not np.allclose(a, b, atol=1e-3)
+    _close(b, fl.silu_project_reference(swapped, wd, jnp.float32), jnp.float32)
 
 
 def test_unsupported_shapes():
@@ -95,18 +87,13 @@ def test_unsupported_shapes():
     x = jnp.zeros((2, 16))
     assert "dtypes" in fl.unsupported_reason(x, jnp.zeros((16, 16), jnp.bfloat16))
     assert "does not take" in fl.unsupported_reason(x, jnp.zeros((8, 16)))
-    assert "width 24" in fl.unsupported_reason(x, jnp.zeros((16, 24)))
-    assert "row width" in fl.unsupported_reason(jnp.zeros((2, 24)), jnp.zeros((24, 16)))
-    assert "head_dim" in fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=16)
-    assert fl.unsupported_reason(x, jnp.zeros((16, 16)), head_dim=64) is None
-    assert fl._chunks(576) == [(0, 512), (512, 64)]
-    assert fl._chunks(2560) == [(0, 1024), (1024, 1024), (2048, 512)]
-    assert fl._chunks(80) == [(0, 64), (64, 16)]
+    assert fl.unsupported_reason(x, jnp.zeros((16, 24))) is None  # any width: tiles are masked
+    assert fl.n_splits(576, 64) == 9 and fl.n_splits(1536, 64) == 24 and fl.n_splits(50, 16) == 4
 
 
 def test_dispatch(monkeypatch):
     rows, w = jnp.zeros((1, 16)), jnp.zeros((16, 16))
-    assert jm.fused_mode(rows, w) is None  # off by default: slower than XLA on the H200
+    assert jm.fused_mode(rows, w) is None  # off by default: not yet measured on a GPU
     monkeypatch.setattr(jm, "FUSED_IMPL", "auto")
     assert jm.fused_mode(rows, w) == ("pallas" if jax.default_backend() == "gpu" else None)
     monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
@@ -131,18 +118,29 @@ def _clear():
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_decoding_through_the_kernels_equals_the_plain_path(seed, monkeypatch):
+@pytest.mark.parametrize("seed, attention", [(0, "off"), (1, "interpret"), (2, "interpret")])
+def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, monkeypatch):
     """Greedy tokens (float32) of autoregressive and chain decoding with every decode / verify
-    step through the fused kernels equal the plain path's; prefill chunks (more rows) take the
-    plain path either way."""
+    step through the split-K kernels equal the plain path's; prefill chunks (more rows) take the
+    plain path either way. With the fused attention kernel on, it sums the Q/K/V partials;
+    with it off, the model sums them before RoPE."""
     # shapes the kernels take (the default tiny model's head_dim 8 is too small for them)
-    target = tiny.model(seed, hidden_size=64, head_dim=32, intermediate_size=96)
+    target = tiny.model(seed, hidden_size=64, head_dim=64, intermediate_size=96)
     draft = tiny.perturbed(target, 0.3, seed)
     prompts = tiny.prompts(seed, lengths=(9, 3))
     traced = []
-    real_gate_up = fl.gate_up
-    monkeypatch.setattr(fl, "gate_up", lambda *a, **k: traced.append(1) or real_gate_up(*a, **k))
+    real = fl.silu_project
+    monkeypatch.setattr(fl, "silu_project", lambda *a, **k: traced.append(1) or real(*a, **k))
+    monkeypatch.setattr(fl, "BN", 16)  # several column tiles and K splits in every projection
+    monkeypatch.setattr(fl, "BK", 16)
+    monkeypatch.setattr(jm, "FUSED_ATTENTION", attention)  # 'interpret': Q/K/V partials go in
+    ranks = []
+    real_attention = rope_attention.rope_attention
+    monkeypatch.setattr(
+        rope_attention,
+        "rope_attention",
+        lambda qkv, *a, **k: ranks.append(qkv.ndim) or real_attention(qkv, *a, **k),
+    )
     runs = {}
     for impl in ("off", "interpret"):
         monkeypatch.setattr(jm, "FUSED_IMPL", impl)
@@ -155,6 +153,8 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, monkeypatch):
         assert bool(traced) == (impl == "interpret")
     _clear()
     assert traced, "the fused kernels were never traced: the test compared the plain path twice"
+    # the fused attention kernel took the projections as partials (5-D) when it was on
+    assert (5 in ranks) == (attention == "interpret")
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]

@@ -124,7 +124,7 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
 
     model, _, prompt = real
     traced = []
-    for mod, name in ((dispatch, "decode_attention"), (fused_linear, "gate_up")):
+    for mod, name in ((dispatch, "decode_attention"), (fused_linear, "silu_project")):
         fn = getattr(mod, name)
         monkeypatch.setattr(
             mod, name, lambda *a, _fn=fn, _n=name, **k: traced.append(_n) or _fn(*a, **k)
@@ -140,6 +140,6 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
     plain = decode("reference", "off")
     assert not traced
     assert decode("pallas_interpret", "interpret") == plain
-    assert {"decode_attention", "gate_up"} <= set(traced), "a fast path was not traced"
+    assert {"decode_attention", "silu_project"} <= set(traced), "a fast path was not traced"
     common._COMPILED.clear()
     jax.clear_caches()

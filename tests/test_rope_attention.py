@@ -87,6 +87,23 @@ def test_matches_the_unfused_path(t, g, s, hd, dtype, tree):
         check(got, R.reference(*clean, num_heads=2 * g), poisoned, dtype)
 
 
+@pytest.mark.parametrize("t, dtype", [(1, jnp.float32), (5, jnp.bfloat16)])
+def test_partial_sums_of_the_projections(t, dtype):
+    """``qkv`` as float32 partial sums ``[P, B, T, heads, hd]`` (the split-K projection kernels'
+    output): the kernel sums them as it loads, rounds to the cache's dtype, and matches the
+    unfused path on their rounded sum. A kernel that read one partial only would be off by the
+    others (each as large as the total)."""
+    poisoned, clean = make_inputs(3, b=2, t=t, kh=2, g=3, s=70, hd=64, dtype=dtype, tree=False)
+    rng = np.random.default_rng(5)
+    qkv = np.asarray(clean[0], np.float32)
+    parts = rng.normal(size=(3, *qkv.shape)).astype(np.float32)
+    parts = np.concatenate([parts, (qkv - parts.sum(0))[None]])  # they sum to qkv
+    parts = jnp.asarray(parts)
+    got = R.rope_attention(parts, *copies(poisoned[1:]), num_heads=6, interpret=INTERPRET)
+    check(got, R.reference(parts, *clean[1:], num_heads=6), poisoned, dtype)
+    assert R.unsupported_reason(parts.astype(jnp.bfloat16), 6, clean[3], clean[7]) is not None
+
+
 def test_new_tokens_past_the_capacity_are_neither_written_nor_seen():
     poisoned, clean = make_inputs(
         3, b=2, t=4, kh=2, g=2, s=40, hd=64, dtype=jnp.float32, tree=False, near_end=True
@@ -224,16 +241,16 @@ def test_dispatch_modes(monkeypatch):
         jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), 1
     )
     on_gpu = jax.default_backend() == "gpu"
-    assert att.fused_attention(x, cache, block) == ("pallas" if on_gpu else None)  # auto
+    assert att.fused_attention(x.dtype, cache, block) == ("pallas" if on_gpu else None)  # auto
     monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
-    assert att.fused_attention(x, cache, block) == "interpret"
+    assert att.fused_attention(x.dtype, cache, block) == "interpret"
     with jm.fused_kernels_off():
-        assert att.fused_attention(x, cache, block) is None
-    assert att.fused_attention(x, cache, dataclasses.replace(block, appended=False)) is None
-    assert att.fused_attention(x.astype(jnp.bfloat16), cache, block) is None  # dtype mismatch
+        assert att.fused_attention(x.dtype, cache, block) is None
+    assert att.fused_attention(x.dtype, cache, dataclasses.replace(block, appended=False)) is None
+    assert att.fused_attention(jnp.bfloat16, cache, block) is None  # dtype mismatch
     monkeypatch.setattr(jm, "FUSED_ATTENTION", "fast")
     with pytest.raises(ValueError, match="off, auto, pallas, interpret"):
-        att.fused_attention(x, cache, block)
+        att.fused_attention(x.dtype, cache, block)
 
 
 def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch):
