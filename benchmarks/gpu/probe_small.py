@@ -78,6 +78,7 @@ def main():
     row = {
         "label": args.label,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jaxspec_env": {k: v for k, v in os.environ.items() if k.startswith("JAXSPEC_")},
         "batch": b,
         "context": args.context,
         "ms_per_step": ms,
