@@ -140,12 +140,13 @@ def _summed(ref, parts: int, rows: int, m: int, c0, width: int, limit: int, dt):
     return _round(total, dt)
 
 
-def _project(a, w_refs, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: int):
-    """Program ``(j, s)``: ``a [rows, bk]`` (float32 holding input-dtype values: the rows' K
-    split ``s``) times the weight tile of column tile ``j``, stored as partial ``s``. Column tiles
-    run over the weights side by side; the branch that owns tile ``j`` runs."""
+def _project(prologue, w_refs, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: int, rows):
+    """Program ``(j, s)``: the rows' K split ``s`` (``prologue()``: ``[rows, bk]`` float32 holding
+    input-dtype values) times the weight tile of column tile ``j``, stored as partial ``s``.
+    Column tiles run over the weights side by side; the branch that owns tile ``j`` runs. The
+    weight tile is loaded before the prologue's loads, so the two round trips to memory overlap
+    (a warp stalls at the first use of a load, not at the load)."""
     j, s = pl.program_id(0), pl.program_id(1)
-    rows = a.shape[0]
     first, out0 = 0, 0
     for w_ref, n in zip(w_refs, widths, strict=True):
         tiles = -(-n // bn)
@@ -155,6 +156,7 @@ def _project(a, w_refs, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: in
             c = pl.multiple_of((j - first) * bn, bn)
             ok = ((k0 + jnp.arange(bk)) < kdim)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
             w = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0.0)
+            a = prologue()
             if rows == 1:  # one row: products on the CUDA cores, summed over the split
                 acc = jnp.sum(a[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
             else:  # tensor cores; a holds values of w's dtype, so the cast is exact
@@ -177,36 +179,43 @@ def _norm_kernel(*refs, n_w, parts, widths, m, k, eps, bn, bk, rows, dt):
     g_ref, *rest = rest
     w_refs, (o_ref, xo_ref) = rest[:n_w], rest[n_w:]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+    # one column tile writes the settled residual (program ids are read outside the branches:
+    # the interpreter substitutes them at the kernel's top level only)
+    writer = pl.program_id(0) == 0
 
     def settled(c0, width):  # x + round(sum(pending)) over columns [c0, c0 + width)
         x = _load(x_ref, rows, m, c0, width, k)
         return x if not parts else _round(x + _summed(p_ref, parts, rows, m, c0, width, k, dt), dt)
 
-    full = settled(0, _pow2(k))  # the whole row, for the norm's sum of squares
-    inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
-    x = settled(k0, bk)  # this split's columns (the same arithmetic, so the same values)
-    g = plgpu.load(g_ref.at[pl.ds(k0, bk)], mask=(k0 + jnp.arange(bk)) < k, other=0.0)
-    a = _round(g.astype(jnp.float32)[None, :] * _round(x * inv, dt), dt)
-    _project(a, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
-    live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
-    put = live & (pl.program_id(0) == 0)  # one column tile writes the settled residual
-    plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=put)
+    def prologue():
+        full = settled(0, _pow2(k))  # the whole row, for the norm's sum of squares
+        inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
+        x = settled(k0, bk)  # this split's columns (the same arithmetic, so the same values)
+        g = plgpu.load(g_ref.at[pl.ds(k0, bk)], mask=(k0 + jnp.arange(bk)) < k, other=0.0)
+        live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
+        plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=live & writer)
+        return _round(g.astype(jnp.float32)[None, :] * _round(x * inv, dt), dt)
+
+    _project(prologue, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
 
 
 def _plain_kernel(a_ref, *refs, n_w, widths, m, k, bn, bk, rows):
     w_refs, o_ref = refs[:n_w], refs[n_w]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
-    a = _load(a_ref, rows, m, k0, bk, k)
-    _project(a, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
+    prologue = functools.partial(_load, a_ref, rows, m, k0, bk, k)
+    _project(prologue, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
 
 
 def _silu_kernel(p_ref, w_ref, o_ref, *, parts, widths, m, k, bn, bk, rows, dt):
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
-    gate = _summed(p_ref, parts, rows, m, k0, bk, k, dt)
-    up = _summed(p_ref, parts, rows, m, k + k0, bk, 2 * k, dt)
-    # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision), then rounds
-    a = _round(gate * jax.nn.sigmoid(gate) * up, dt)
-    _project(a, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk)
+
+    def prologue():
+        gate = _summed(p_ref, parts, rows, m, k0, bk, k, dt)
+        up = _summed(p_ref, parts, rows, m, k + k0, bk, 2 * k, dt)
+        # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision), then rounds
+        return _round(gate * jax.nn.sigmoid(gate) * up, dt)
+
+    _project(prologue, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
 
 
 def _grid(widths, k: int, bn: int, bk: int):
