@@ -276,6 +276,10 @@ class DecoderLayer(nnx.Module):
         attn, mlp = self.self_attn, self.mlp
         if FUSED_IMPL == "off" or attn.cfg.qkv_bias:
             return None
+        cfg = attn.cfg
+        width = cfg.num_heads * cfg.head_dim
+        if fused_linear.layer_problem(cfg.hidden_size, width, cfg.intermediate_size) is not None:
+            return None
         weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
         weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
         return fused_mode(x.reshape(-1, x.shape[-1]), *weights)

@@ -22,7 +22,12 @@ The earlier version of this file (one kernel a projection, no split-K, ``[K, 16]
 took 8.5-8.8 us a kernel on the H200: 30-96 programs each reading a narrow column strip, ~7 GB/s
 per program (benchmarks/notes/small_step_probe.md). Here program ``(j, s)`` of the grid
 ``(column tiles, K splits)`` reads one ``[BK, BN]`` tile (``BN`` = 64 bf16 columns: one 128-byte
-line a row), so a SmolLM2 projection has 100-220 programs whose loads all issue at once.
+line a row; ``BK`` = 128), so a SmolLM2 projection has 45-240 programs whose loads all issue at
+once.
+
+The norm needs the whole row, so every program of a norm kernel sums the whole row's pending
+partials: cheap for a small model (SmolLM2: 27 KiB from L2 a program), not for a 1B one
+(``layer_problem``: the model takes the plain path there).
 
 **Not measured on a GPU yet**: the model keeps these kernels off unless ``JAXSPEC_FUSED_LINEAR``
 turns them on (``jaxspec/model.py``). ``JAXSPEC_FUSED_BN`` / ``JAXSPEC_FUSED_BK`` /
@@ -52,7 +57,12 @@ from jaxtyping import Array, Float
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the model takes the plain path
 DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
 BN = int(os.environ.get("JAXSPEC_FUSED_BN", "64"))  # columns a program (powers of two)
-BK = int(os.environ.get("JAXSPEC_FUSED_BK", "64"))  # rows of the weight a program (its K split)
+BK = int(os.environ.get("JAXSPEC_FUSED_BK", "128"))  # rows of the weight a program (its K split)
+# Every program of a norm kernel sums the whole row's pending partials (the norm needs the whole
+# row): ``parts * width * 4`` bytes from L2 a program. Past this the redundancy costs more than
+# the kernel it saves, and the model takes the plain path (Llama-3.2-1B: 64 down partials of
+# 2048 floats, 512 KiB; SmolLM2-135M: 12 of 576, 27 KiB).
+MAX_PENDING_BYTES = 64 * 1024
 NUM_WARPS = int(os.environ.get("JAXSPEC_FUSED_WARPS", "4"))
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -79,6 +89,17 @@ def unsupported_reason(x, *weights) -> str | None:
     for w in weights:
         if w.ndim != 2 or w.shape[0] != k:
             return f"weight {w.shape} does not take rows of width {k}"
+    return None
+
+
+def layer_problem(hidden: int, attn_width: int, intermediate: int, bk: int | None = None):
+    """Why a decoder layer of these sizes should not take the kernels (``None``: it should):
+    the norm kernels' redundant reads of the pending partials (``MAX_PENDING_BYTES``)."""
+    need, name = max((n_splits(k, bk) * hidden * 4, name) for name, k in (
+        ("o_proj", attn_width), ("down", intermediate)
+    ))  # fmt: skip
+    if need > MAX_PENDING_BYTES:
+        return f"each norm program would read {need} bytes of {name}'s partials"
     return None
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxspec
 import jaxspec.model as jm
@@ -89,6 +90,22 @@ def test_unsupported_shapes():
     assert "does not take" in fl.unsupported_reason(x, jnp.zeros((8, 16)))
     assert fl.unsupported_reason(x, jnp.zeros((16, 24))) is None  # any width: tiles are masked
     assert fl.n_splits(576, 64) == 9 and fl.n_splits(1536, 64) == 24 and fl.n_splits(50, 16) == 4
+    # SmolLM2-135M's layer takes them; Llama-3.2-1B's would re-read 512 KiB of partials a program
+    assert fl.layer_problem(576, 576, 1536, bk=128) is None
+    assert "524288 bytes of down" in fl.layer_problem(2048, 2048, 8192, bk=128)
+
+
+def test_the_model_keeps_big_layers_on_the_plain_path(monkeypatch):
+    monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
+    monkeypatch.setattr(fl, "BK", 128)
+    # o_proj's 4 x 64 = 256 inputs make 2 partials of 64 floats: 512 bytes (down's 96: 1, 256)
+    monkeypatch.setattr(fl, "MAX_PENDING_BYTES", 511)
+    m = tiny.model(0, hidden_size=64, head_dim=64, intermediate_size=96)
+    layer = nnx.merge(m.graphdef, m.params).layers[0]
+    x = jnp.zeros((1, 1, 64))
+    assert layer.fused_mode(x) is None
+    monkeypatch.setattr(fl, "MAX_PENDING_BYTES", 512)
+    assert layer.fused_mode(x) == "interpret"
 
 
 def test_dispatch(monkeypatch):
