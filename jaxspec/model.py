@@ -25,8 +25,7 @@ from jaxtyping import Array, Float, Int
 from jaxspec.attention import apply_rope
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
-from pallas_kernels import fused_linear, rope_attention
-from pallas_kernels.dispatch import attention
+from pallas_kernels import dispatch, fused_linear, rope_attention
 
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
 # JAXSPEC_ATTENTION=reference to measure the difference.
@@ -249,7 +248,7 @@ class Attention(nnx.Module):
         k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
         v_cache = write(v_cache, v, block.slots)
         q = apply_rope(q, cos, sin)
-        out = attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
+        out = dispatch.attention(q, k_cache, v_cache, length, block.block_mask, impl=ATTENTION_IMPL)
         return out, k_cache, v_cache
 
 

@@ -32,8 +32,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.attention import attend
+
+# the module, not its names: importing a kernel module first (pallas_kernels.decode_attention
+# imports jaxspec, which imports this file) would find it half initialised
+from pallas_kernels import decode_attention as D
 from pallas_kernels import prefill_attention as P
-from pallas_kernels.decode_attention import decode_attention, unsupported_reason
 
 Impl = Literal["auto", "reference", "pallas", "pallas_interpret"]
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -46,7 +49,7 @@ def choose_impl(q, k, v, block_mask, impl: str = "auto") -> str:
     if impl != "auto":
         return impl
     if jax.default_backend() == "gpu" and (
-        unsupported_reason(q, k, v, block_mask) is None
+        D.unsupported_reason(q, k, v, block_mask) is None
         or P.unsupported_reason(q, k, v, block_mask) is None
     ):
         return "pallas"
@@ -76,8 +79,8 @@ def attention(
 
 
 def _kernel(q, k, v, length, block_mask, interpret):
-    if unsupported_reason(q, k, v, block_mask) is None:
-        return decode_attention(q, k, v, length, block_mask, interpret=interpret)
+    if D.unsupported_reason(q, k, v, block_mask) is None:
+        return D.decode_attention(q, k, v, length, block_mask, interpret=interpret)
     return P.prefill_attention(q, k, v, length, block_mask, interpret=interpret)
 
 

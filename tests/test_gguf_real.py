@@ -118,13 +118,13 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
 
     import jaxspec
     import jaxspec.model as jm
-    import pallas_kernels.dispatch as dispatch
     from jaxspec.engines import common
+    from pallas_kernels import decode_attention as D
     from pallas_kernels import fused_linear
 
     model, _, prompt = real
     traced = []
-    for mod, name in ((dispatch, "decode_attention"), (fused_linear, "silu_project")):
+    for mod, name in ((D, "decode_attention"), (fused_linear, "silu_project")):
         fn = getattr(mod, name)
         monkeypatch.setattr(
             mod, name, lambda *a, _fn=fn, _n=name, **k: traced.append(_n) or _fn(*a, **k)
