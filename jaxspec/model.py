@@ -46,12 +46,13 @@ ROW_PADDING = os.environ.get("JAXSPEC_ROW_PADDING", "stream")
 
 
 # The split-K projection kernels (pallas_kernels/fused_linear.py: residual add + norm + Q/K/V,
-# o_proj, residual add + norm + gate/up, SiLU*mul + down; each hands float32 partial sums to the
-# next) for steps of at most fused_linear.MAX_ROWS rows. 'off' (the default: not measured on a GPU
-# yet; their first version, without split-K, made the SmolLM2-shape step slower on the H200, 1.35
-# ms against 1.05: benchmarks/notes/small_step_probe.md); 'auto': on GPU, unless the weights are
-# sharded over several devices (tensor parallel: the kernels see whole weights, so the partitioner
-# would gather them); 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
+# o_proj merging the attention's splits, residual add + norm + gate/up, SiLU*mul + down; each
+# hands float32 partial sums to the next) for steps of at most fused_linear.MAX_ROWS rows. 'off'
+# (the default: not measured on a GPU yet; their first version, without split-K, made the
+# SmolLM2-shape step slower on the H200, 1.35 ms against 1.05: benchmarks/notes/
+# small_step_probe.md); 'auto': on GPU, unless the weights are sharded over several devices
+# (tensor parallel: the kernels see whole weights, so the partitioner would gather them);
+# 'pallas'; 'interpret' (the Pallas interpreter: CPU tests).
 FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 # The fused RoPE + cache write + attention kernel (pallas_kernels/rope_attention.py) for appended
 # blocks (decode steps, chain and tree verifies): 'auto' (the default: on GPU, unless the program
@@ -231,14 +232,16 @@ class Attention(nnx.Module):
         out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block)
         return self.o_proj(rows_like(out, x)), k_cache, v_cache
 
-    def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block):
+    def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block, splits=False):
         """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
         (or their float32 partial sums ``[P, b, t, H + 2 KH, hd]``): ``(out [b, t, H, hd],
-        k_cache, v_cache)``."""
+        k_cache, v_cache)``. With ``splits``, where the fused attention kernel runs, ``out`` is
+        its unmerged ``rope_attention.Splits`` (for ``fused_linear.combine_project``)."""
         cfg = self.cfg
         mode = self.fused_attention(k_cache.dtype if qkv.ndim == 5 else qkv.dtype, k_cache, block)
         if mode is not None:
-            return rope_attention.rope_attention(
+            fn = rope_attention.rope_attention_splits if splits else rope_attention.rope_attention
+            return fn(
                 qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
                 num_heads=cfg.num_heads, interpret=mode == "interpret",
             )  # fmt: skip
@@ -307,10 +310,14 @@ class DecoderLayer(nnx.Module):
             eps=self.input_layernorm.eps,
         )
         qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
-        out, k_cache, v_cache = attn.attend(qkv, cos, sin, k_cache, v_cache, length, block)
-        o = fused_linear.project(
-            out.reshape(b * t, -1), (attn.o_proj.kernel[...],), interpret=interpret
+        out, k_cache, v_cache = attn.attend(
+            qkv, cos, sin, k_cache, v_cache, length, block, splits=True
         )
+        wo = attn.o_proj.kernel[...]
+        if isinstance(out, rope_attention.Splits):  # o_proj merges the splits as it loads
+            o = fused_linear.combine_project(*out, wo, t=t, interpret=interpret)
+        else:
+            o = fused_linear.project(out.reshape(b * t, -1), (wo,), interpret=interpret)
         x, gate_up = fl(
             x,
             o,

@@ -10,13 +10,16 @@ GPU and sums the splits in a kernel of its own. Here the sum happens in the cons
 
 - ``norm_project(x, pending, g, ws)``: ``x + round(sum(pending))`` (the residual add of the
   previous projection), RMSNorm, then ``[n @ w for w in ws]`` as partials. Q/K/V and gate/up.
-- ``project(a, ws)``: ``a @ w`` as partials (o_proj, whose input is the attention output).
+- ``combine_project(acc, m, ssum, w)``: o_proj that merges the attention kernel's split-K
+  results by log-sum-exp as it loads them (``rope_attention.Splits``), as partials.
+- ``project(a, ws)``: ``a @ w`` as partials (o_proj after an attention that merged its own
+  splits: a draft's tree expansion).
 - ``silu_project(gate_up, w)``: ``silu(round(sum gate)) * round(sum up)``, then ``@ w`` as
   partials (down).
 
 The Q/K/V partials go to ``rope_attention``, which sums them as it loads its heads; the last
-down's partials are summed by the caller. A layer is then five kernels (four projections and the
-attention) plus the attention's combine, against eleven.
+down's partials are summed by the caller. A decode layer is then five kernels (four projections
+and the attention) against eleven.
 
 The earlier version of this file (one kernel a projection, no split-K, ``[K, 16]`` weight tiles)
 took 8.5-8.8 us a kernel on the H200: 30-96 programs each reading a narrow column strip, ~7 GB/s
@@ -131,6 +134,16 @@ def norm_project_reference(x, pending, g, ws, *, eps: float):
     return x, [_mm(n, w) for w in ws]
 
 
+def combine_project_reference(acc, m, ssum, w, *, t: int):
+    """``combine(splits) @ w``: the attention output merged from its splits by log-sum-exp
+    (``decode_attention.combine``), as ``[B * T, H * hd]`` rows, times ``w``."""
+    from pallas_kernels.decode_attention import combine
+
+    rows = t * (w.shape[0] // acc.shape[-1] // acc.shape[1])
+    out = combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, w.dtype)
+    return _mm(out.reshape(-1, w.shape[0]), w)
+
+
 def silu_project_reference(gate_up, w, dtype):
     """``(silu(gate) * up) @ w`` with gate / up the rounded sums of the partials' two halves."""
     f = gate_up.shape[-1] // 2
@@ -239,6 +252,41 @@ def _silu_kernel(p_ref, w_ref, o_ref, *, parts, widths, m, k, bn, bk, rows, dt):
     _project(prologue, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
 
 
+def _combine_kernel(acc_ref, m_ref, ssum_ref, w_ref, o_ref, *, n_splits, t, g, hd, widths, m, k,
+                    bn, bk, rows, dt):  # fmt: skip
+    k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
+
+    def prologue():
+        # row r is token (r // t, r % t); column c is head c // hd, lane c % hd; that head's
+        # results sit at KV head head // g, row (r % t) * g + head % g of the kernel's layout
+        r = jnp.arange(rows)[:, None]
+        c = k0 + jnp.arange(bk)[None, :]
+        ok = (r < m) & (c < k)
+        head = jnp.where(c < k, c // hd, 0)
+        shape = (rows, bk)
+        bb = jnp.broadcast_to(jnp.where(r < m, r // t, 0), shape)
+        kvh = jnp.broadcast_to(head // g, shape)
+        row = jnp.broadcast_to(jnp.where(r < m, r % t, 0) * g + head % g, shape)
+        lane = jnp.broadcast_to(c % hd, shape)
+
+        def split(i, carry):  # one split folded into the running (peak, numerator, denominator)
+            peak, num, den = carry
+            sp = jnp.full(shape, i, jnp.int32)
+            ms = plgpu.load(m_ref.at[bb, kvh, sp, row], mask=ok, other=-1e30)
+            ls = plgpu.load(ssum_ref.at[bb, kvh, sp, row], mask=ok, other=0.0)
+            a = plgpu.load(acc_ref.at[bb, kvh, sp, row, lane], mask=ok, other=0.0)
+            new = jnp.maximum(peak, ms)
+            old, w = jnp.exp(peak - new), jnp.exp(ms - new)
+            return new, num * old + a * w, den * old + ls * w
+
+        zero = jnp.zeros(shape, jnp.float32)
+        _, num, den = jax.lax.fori_loop(0, n_splits, split, (zero - 1e30, zero, zero))
+        out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+        return _round(out, dt)
+
+    _project(prologue, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
+
+
 def _grid(widths, k: int, bn: int, bk: int):
     return (sum(-(-n // bn) for n in widths), n_splits(k, bk))
 
@@ -327,3 +375,32 @@ def silu_project(
     )  # fmt: skip
     shape = _partials(m, widths, k, bk)
     return _call(kern, _grid(widths, k, bn, bk), shape, (gate_up, w), interpret, "silu_project")
+
+
+@functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk"))
+def combine_project(
+    acc: Float[Array, "b kh splits mp hd"],
+    m: Float[Array, "b kh splits mp"],
+    ssum: Float[Array, "b kh splits mp"],
+    w: Float[Array, "k n"],
+    *,
+    t: int,
+    interpret: bool = False,
+    bn: int | None = None,
+    bk: int | None = None,
+) -> Float[Array, "s rows n"]:
+    """The kernel version of :func:`combine_project_reference`, as partials: o_proj that merges
+    the attention kernel's splits (``rope_attention.Splits``) as it loads its input, so the
+    combine needs no kernel of its own. ``t`` is the block's token count."""
+    b, kh, n_split, _, hd = acc.shape
+    k, bn, bk = w.shape[0], bn or BN, bk or BK
+    g = k // hd // kh
+    rows_m = b * t
+    widths = (w.shape[1],)
+    kern = functools.partial(
+        _combine_kernel, n_splits=n_split, t=t, g=g, hd=hd, widths=widths, m=rows_m, k=k,
+        bn=bn, bk=bk, rows=_rows(rows_m), dt=w.dtype,
+    )  # fmt: skip
+    shape = _partials(rows_m, widths, k, bk)
+    grid = _grid(widths, k, bn, bk)
+    return _call(kern, grid, shape, (acc, m, ssum, w), interpret, "combine_project")

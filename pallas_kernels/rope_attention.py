@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +232,16 @@ def _kernel(
     plgpu.store(ssum_ref, ssum, mask=live)
 
 
+class Splits(NamedTuple):
+    """The kernel's per-split results (``decode_attention.decode_attention_partials``' layout:
+    rows ``r = t * G + g`` of each KV head; only ``[..., :T*G]`` is defined), for a consumer that
+    merges them itself (``decode_attention.combine``, or ``fused_linear.combine_project``)."""
+
+    acc: Float[Array, "b kh splits m hd"]
+    m: Float[Array, "b kh splits m"]
+    ssum: Float[Array, "b kh splits m"]
+
+
 @functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
 def rope_attention(
     qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
@@ -249,6 +260,30 @@ def rope_attention(
     cache). ``qkv`` holds the projections before RoPE, or their float32 partial sums
     ``[P, B, T, H + 2 KH, hd]``, summed as the kernel loads them; the caches are donated
     (updated in place)."""
+    split, k_cache, v_cache = rope_attention_splits(
+        qkv, cos, sin, k_cache, v_cache, length, slots, block_mask,
+        num_heads=num_heads, interpret=interpret,
+    )  # fmt: skip
+    rows = qkv.shape[-3] * (num_heads // k_cache.shape[2])
+    acc, m, ssum = (x[..., :rows, :] if x.ndim == 5 else x[..., :rows] for x in split)
+    return D.combine(acc, m, ssum, qkv.shape[-3], k_cache.dtype), k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
+def rope_attention_splits(
+    qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
+    cos: Float[Array, "b t half"],
+    sin: Float[Array, "b t half"],
+    k_cache: Float[Array, "b s kh hd"],
+    v_cache: Float[Array, "b s kh hd"],
+    length: Int[Array, " b"],
+    slots: Int[Array, "b t"],
+    block_mask: Bool[Array, "b t n"],
+    *,
+    num_heads: int,
+    interpret: bool = False,
+) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
+    """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache)."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
@@ -336,5 +371,4 @@ def rope_attention(
         v_cache,
         bmr,
     )
-    out = D.combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, k_cache.dtype)
-    return out, k_cache, v_cache
+    return Splits(acc, m, ssum), k_cache, v_cache

@@ -69,6 +69,34 @@ def test_kernels_match_references(m, k, widths, f, bn, bk, dtype):
     _close(jnp.sum(got, axis=0), fl.silu_project_reference(gate_up, wd, dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "b, t, kh, g, splits, hd, bn, bk",
+    [
+        (1, 1, 3, 3, 4, 64, 64, 128),  # SmolLM2's decode step: two heads a K split
+        (2, 3, 2, 3, 5, 32, 16, 16),  # half a head a K split, batch and tokens interleaved
+        (1, 5, 2, 2, 3, 64, 32, 128),  # a chain verify's 5 tokens
+    ],
+)
+def test_combine_project_merges_the_attention_splits(b, t, kh, g, splits, hd, bn, bk, dtype):
+    """o_proj over the attention kernel's unmerged splits equals the combine, then o_proj.
+    Split 0 is empty everywhere (as a split past a row's length is) and one row sees nothing,
+    so its output is zeros."""
+    rng = np.random.default_rng(b * 100 + t)
+    mp = max(16, 1 << (t * g - 1).bit_length())
+    acc = rng.normal(size=(b, kh, splits, mp, hd)).astype(np.float32)
+    m = (3 * rng.normal(size=(b, kh, splits, mp))).astype(np.float32)
+    ssum = rng.uniform(0.5, 2.0, size=(b, kh, splits, mp)).astype(np.float32)
+    for sel in ((slice(None), slice(None), 0), (0, 0, slice(None), 0)):
+        acc[sel], m[sel], ssum[sel] = 0.0, -1e30, 0.0
+    acc, m, ssum = jnp.asarray(acc), jnp.asarray(m), jnp.asarray(ssum)
+    w = _arr(rng, (kh * g * hd, 40), dtype, 0.2)
+    got = fl.combine_project(acc, m, ssum, w, t=t, interpret=INTERPRET, bn=bn, bk=bk)
+    assert got.shape == (fl.n_splits(kh * g * hd, bk), b * t, 40)
+    want = fl.combine_project_reference(acc, m, ssum, w, t=t)
+    _close(jnp.sum(got, axis=0), want, dtype)
+
+
 def test_silu_takes_gate_and_up_from_their_halves():
     """A negative control for the gate / up pairing: swapping the halves changes the result
     (SiLU is not symmetric), and the kernel follows the reference either way."""
@@ -151,12 +179,15 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     monkeypatch.setattr(fl, "BN", 16)  # several column tiles and K splits in every projection
     monkeypatch.setattr(fl, "BK", 16)
     monkeypatch.setattr(jm, "FUSED_ATTENTION", attention)  # 'interpret': Q/K/V partials go in
-    ranks = []
-    real_attention = rope_attention.rope_attention
+    ranks, merged = [], []  # ranks of the Q/K/V the fused attention kernel got; o_proj merges
+    real_attention, real_merge = rope_attention.rope_attention_splits, fl.combine_project
     monkeypatch.setattr(
         rope_attention,
-        "rope_attention",
+        "rope_attention_splits",
         lambda qkv, *a, **k: ranks.append(qkv.ndim) or real_attention(qkv, *a, **k),
+    )
+    monkeypatch.setattr(
+        fl, "combine_project", lambda *a, **k: merged.append(1) or real_merge(*a, **k)
     )
     runs = {}
     for impl in ("off", "interpret"):
@@ -166,15 +197,24 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
         chain = jaxspec.generate(
             target, prompts, max_new_tokens=12, method="chain", draft=draft, gamma=3
         )
-        runs[impl] = (ar.tokens, chain.tokens, chain.stats["acceptance_length"])
+        # a tree: the target verifies an appended block of 5 rows (the fused attention kernel);
+        # the draft expands its tree in a block window (plain attention, then ``project``)
+        tree = seed == 2 and jaxspec.generate(
+            target, prompts[:1], max_new_tokens=8, method="tree", draft=draft,
+            depth=2, width=2, branch=2, bs=4,
+        ).tokens  # fmt: skip
+        runs[impl] = (ar.tokens, chain.tokens, chain.stats["acceptance_length"], tree)
         assert bool(traced) == (impl == "interpret")
     _clear()
     assert traced, "the fused kernels were never traced: the test compared the plain path twice"
-    # the fused attention kernel took the projections as partials (5-D) when it was on
-    assert (5 in ranks) == (attention == "interpret")
+    # with the fused attention kernel on, it took the projections as partials (5-D) and o_proj
+    # merged its splits
+    assert (5 in ranks) == bool(merged) == (attention == "interpret")
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]
+    if seed == 2:
+        assert runs["interpret"][3][0] == runs["off"][0][0][:8]
 
 
 def test_sharded_compiles_trace_without_the_kernels(monkeypatch):
