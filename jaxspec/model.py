@@ -132,7 +132,7 @@ def stream_rows(n: int) -> int | None:
     if ROW_PADDING not in ("gemm", "stream"):
         raise ValueError(f"JAXSPEC_ROW_PADDING must be gemm or stream; got {ROW_PADDING!r}")
     want = min_gemm_rows()
-    if ROW_PADDING == "gemm" or FUSED_IMPL != "off" or n >= want:
+    if ROW_PADDING == "gemm" or n >= want:
         return None
     return want
 
@@ -352,12 +352,12 @@ class Transformer(nnx.Module):
         with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
         b, t = tokens.shape
         x = self.embed_tokens[...][tokens]
-        rows = stream_rows(b * t)
+        mode = self.layers[0].fused_mode(x)  # the split-K projection kernels take this step
+        rows = stream_rows(b * t) if mode is None else None
         if rows is not None:  # the residual stream as padded rows [rows, d]
             x = jnp.pad(x.reshape(b * t, -1), ((0, rows - b * t), (0, 0)))
         cos, sin = rope_tables(self.cfg, block.positions)
         ks, vs = [], []
-        mode = self.layers[0].fused_mode(x)
         if mode is not None:  # the split-K projection kernels: rows [b * t, d] and partials
             x, pending = x.reshape(b * t, -1), None
             for layer, kc, vc in zip(self.layers, cache.k, cache.v, strict=True):
