@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from benchmarks.common import metadata
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
+from jaxspec.kernel_modes import fused_kernels_off
 from jaxspec.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model import apply, fused_kernels_off, new_model
+from jaxspec.model import apply, new_model
 from jaxspec.timing import median_ms
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO

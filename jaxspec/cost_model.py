@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.model import traced_for_layout
+from jaxspec.kernel_modes import traced_for_layout
 from jaxspec.timing import loop_ms, repeat
 
 

@@ -13,12 +13,20 @@ path's K/V and advances ``length``.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.config import ModelConfig
+from jaxspec.kernel_modes import resolve
 from jaxspec.pytree import pytree_dataclass
+from pallas_kernels import kv_commit
+
+# The commit's K/V moves in one Pallas kernel for every cache (pallas_kernels/kv_commit.py)
+# instead of a gather and a scatter per cache: 'off' (the default: not measured on a GPU yet),
+# 'auto' (on GPU, unless the caches are sharded), 'pallas', 'interpret' (CPU tests).
+FUSED_COMMIT = os.environ.get("JAXSPEC_FUSED_COMMIT", "off")
 
 
 @pytree_dataclass
@@ -113,13 +121,12 @@ def commit(cache: KVCache, src: Int[Array, "b k"], count: Int[Array, " b"]) -> K
     i = jnp.arange(k, dtype=jnp.int32)
     keep = i[None, :] < count[:, None]
     dst = jnp.where(keep, cache.length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
-    rows = jnp.arange(cache.batch)[:, None]
-
-    def move(x):
-        return x.at[rows, dst].set(x[rows, jnp.clip(src, 0, x.shape[1] - 1)], mode="drop")
-
+    layers = len(cache.k)
+    mode = resolve(FUSED_COMMIT, "JAXSPEC_FUSED_COMMIT")
+    if mode is None:
+        moved = kv_commit.reference(cache.k + cache.v, src, dst)
+    else:
+        moved = kv_commit.move_rows(cache.k + cache.v, src, dst, interpret=mode == "interpret")
     return KVCache(
-        k=[move(x) for x in cache.k],
-        v=[move(x) for x in cache.v],
-        length=cache.length + count.astype(jnp.int32),
+        k=moved[:layers], v=moved[layers:], length=cache.length + count.astype(jnp.int32)
     )

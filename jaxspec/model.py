@@ -11,11 +11,9 @@ both that engines call inside their own jit (NNX traversal happens only while tr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.attention import apply_rope
 from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.kernel_modes import resolve
 from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
 from pallas_kernels import dispatch, fused_linear, rope_attention
 
@@ -60,62 +59,12 @@ FUSED_IMPL = os.environ.get("JAXSPEC_FUSED_LINEAR", "off")
 # SmolLM2-shape step from 1.023 to 0.941 ms and 121 of its 491 kernels away: small_step_probe_s8),
 # 'off', 'pallas', 'interpret' (CPU tests).
 FUSED_ATTENTION = os.environ.get("JAXSPEC_FUSED_ATTENTION", "auto")
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def fused_kernels_off():
-    """Trace without the fused kernels (projections and attention; in this thread): for sharded
-    weights, which their Pallas calls cannot take."""
-    before = getattr(_LOCAL, "off", False)
-    _LOCAL.off = True
-    try:
-        yield
-    finally:
-        _LOCAL.off = before
-
-
-def spans_devices(*trees) -> bool:
-    """Whether any array in ``trees`` (models' ``params`` are looked into) is laid out over
-    several devices: tensor parallel weights, or SwiftSpec's two-device program."""
-    leaves = jax.tree.leaves([getattr(t, "params", t) for t in trees])
-    return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves)
-
-
-def fused_kernels_for(*trees):
-    """``fused_kernels_off()`` when ``trees`` span several devices (the fused kernels have no
-    partitioning rule), else a context that changes nothing. Trace programs inside it."""
-    return fused_kernels_off() if spans_devices(*trees) else contextlib.nullcontext()
-
-
-def traced_for_layout(fn):
-    """Decorate a function that traces programs over its arguments (models, parameters,
-    arrays): it runs under ``fused_kernels_for`` of them."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with fused_kernels_for(*args, *kwargs.values()):
-            return fn(*args, **kwargs)
-
-    return wrapped
 
 
 def fused_mode(rows, *arrays) -> str | None:
     """'pallas' / 'interpret' when the fused kernels take this layer's step, else None."""
-    impl = FUSED_IMPL
-    if impl not in ("off", "auto", "pallas", "interpret"):
-        raise ValueError(
-            f"JAXSPEC_FUSED_LINEAR must be one of off, auto, pallas, interpret; got {impl!r}"
-        )
-    if impl == "off" or getattr(_LOCAL, "off", False):
-        return None
-    if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(
-            "JAXSPEC_FUSED_LINEAR=pallas needs a GPU backend; use 'interpret' or 'auto' here"
-        )
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "off"
-    if impl == "off" or fused_linear.unsupported_reason(rows, *arrays) is not None:
+    impl = resolve(FUSED_IMPL, "JAXSPEC_FUSED_LINEAR")
+    if impl is None or fused_linear.unsupported_reason(rows, *arrays) is not None:
         return None
     return impl
 
@@ -206,14 +155,8 @@ class Attention(nnx.Module):
     def fused_attention(self, dtype, k_cache, block: Block) -> str | None:
         """'pallas' / 'interpret' when this step takes the fused RoPE + cache write + attention
         kernel, else None."""
-        mode = FUSED_ATTENTION
-        if mode not in ("off", "auto", "pallas", "interpret"):
-            raise ValueError(
-                f"JAXSPEC_FUSED_ATTENTION must be one of off, auto, pallas, interpret; got {mode!r}"
-            )
-        if mode == "auto":
-            mode = "pallas" if jax.default_backend() == "gpu" else "off"
-        if mode == "off" or getattr(_LOCAL, "off", False) or not block.appended:
+        mode = resolve(FUSED_ATTENTION, "JAXSPEC_FUSED_ATTENTION")
+        if mode is None or not block.appended:
             return None
         cfg = self.cfg
         b, t = block.positions.shape

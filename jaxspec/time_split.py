@@ -40,7 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxspec.model import traced_for_layout
+from jaxspec.kernel_modes import traced_for_layout
 from jaxspec.timing import loop_ms, median_ms
 
 PARTS = ("draft", "verify", "handoff", "prefill", "host")

@@ -15,6 +15,7 @@ from flax import nnx
 
 import jaxspec
 import jaxspec.model as jm
+from jaxspec import kernel_modes
 from pallas_kernels import fused_linear as fl
 from pallas_kernels import rope_attention
 from tests import tiny
@@ -144,7 +145,7 @@ def test_dispatch(monkeypatch):
     monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
     assert jm.fused_mode(rows, w) == "interpret"
     assert jm.fused_mode(jnp.zeros((fl.MAX_ROWS + 1, 16)), w) is None
-    with jm.fused_kernels_off():
+    with kernel_modes.fused_kernels_off():
         assert jm.fused_mode(rows, w) is None
     assert jm.fused_mode(rows, w) == "interpret"
     monkeypatch.setattr(jm, "FUSED_IMPL", "fast")

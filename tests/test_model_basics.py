@@ -113,6 +113,8 @@ def test_bf16_model_logits_keep_float32_precision():
         "pallas_kernels.prefill_attention",
         "pallas_kernels.fused_linear",
         "pallas_kernels.dispatch",
+        "pallas_kernels.kv_commit",
+        "jaxspec.kv_cache",
         "jaxspec.model",
     ],
 )

@@ -231,6 +231,7 @@ def test_dispatch_modes(monkeypatch):
     from flax import nnx
 
     import jaxspec.model as jm
+    from jaxspec import kernel_modes
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
     m = tiny_model(0, changes)
@@ -244,7 +245,7 @@ def test_dispatch_modes(monkeypatch):
     assert att.fused_attention(x.dtype, cache, block) == ("pallas" if on_gpu else None)  # auto
     monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
     assert att.fused_attention(x.dtype, cache, block) == "interpret"
-    with jm.fused_kernels_off():
+    with kernel_modes.fused_kernels_off():
         assert att.fused_attention(x.dtype, cache, block) is None
     assert att.fused_attention(x.dtype, cache, dataclasses.replace(block, appended=False)) is None
     assert att.fused_attention(jnp.bfloat16, cache, block) is None  # dtype mismatch
@@ -260,7 +261,7 @@ def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch)
     import dataclasses
 
     import jaxspec.model as jm
-    from jaxspec import time_split
+    from jaxspec import kernel_modes, time_split
     from jaxspec.engines import common, swiftspec
     from jaxspec.sampling import Sampling
 
@@ -279,7 +280,7 @@ def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch)
     jax.clear_caches()
     params, _ = swiftspec.place(m.params, m.config, jax.devices()[:2])
     sharded = dataclasses.replace(m, params=params)
-    assert jm.spans_devices(sharded) and not jm.spans_devices(m, ids)
+    assert kernel_modes.spans_devices(sharded) and not kernel_modes.spans_devices(m, ids)
     time_split.measure(sharded, "autoregressive", None, ids, lens, {}, **kw)
     assert not calls
     jax.clear_caches()
