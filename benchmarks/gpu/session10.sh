@@ -9,10 +9,13 @@
 #          with the defaults, then with the split-K kernels at several tilings (BN x BK x warps).
 #          The fastest tiling goes to ~/fused for call 2, and only if it beat the defaults.
 #   call 2 (carry .carry2, within 30 s): join the GGUF; bench_small_model at 1K and 4K with
-#          the winning setting (or the defaults when none won).
+#          the winning setting (or the defaults when none won) and the one-kernel tree commit
+#          (pallas_kernels/kv_commit.py, JAXSPEC_FUSED_COMMIT=auto).
+#   call 3 (no carry, within 30 s): the same at 1K with the commit kernel off (its A/B: tree
+#          verifies were 0.3 ms slower than chain ones, ~120 commit kernels).
 #   (The 1B and 8B shapes take the plain path: fused_linear.layer_problem.)
 #
-#   bash benchmarks/gpu/session10.sh 1|2
+#   bash benchmarks/gpu/session10.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
 quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
@@ -32,7 +35,7 @@ stash() {  # the GGUF's first half into the home folder (for a later call), the 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
 }
-case "${1:?call 1 or 2}" in
+case "${1:?call 1, 2 or 3}" in
 1)
   stash
   JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
@@ -58,9 +61,19 @@ case "${1:?call 1 or 2}" in
   echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
   export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
   set -a; [ -f ~/fused ] && source ~/fused; set +a
+  export JAXSPEC_FUSED_COMMIT=auto
   env | grep JAXSPEC_FUSED
   timeout 560 python3 benchmarks/bench_small_model.py \
     --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 3 --gammas 8 \
     --out "$OUT/small_model.json" 2>&1 | quiet | grep -v "it/s\]" | tail -30
+  ;;
+3)
+  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  set -a; [ -f ~/fused ] && source ~/fused; set +a
+  export JAXSPEC_FUSED_COMMIT=off
+  timeout 450 python3 benchmarks/bench_small_model.py \
+    --draft checkpoints/drafts/smollm2-135m-instruct-draft --new 128 --repeats 2 --gammas 8 \
+    --contexts 1024 --skip-1b --no-hf --out "$OUT/small_model_commit_off.json" 2>&1 | quiet \
+    | grep -v "it/s\]" | tail -16
   ;;
 esac
