@@ -15,6 +15,8 @@ import threading
 
 import jax
 
+from jaxspec.errors import OptionError
+
 CHOICES = ("off", "auto", "pallas", "interpret")
 _LOCAL = threading.local()
 
@@ -64,11 +66,17 @@ def traced_for_layout(fn):
 def resolve(setting: str, switch: str) -> str | None:
     """A kernel switch's value (``switch`` names its environment variable, for the error) as
     'pallas' / 'interpret', or None for the plain path: 'auto' is 'pallas' on a GPU; every
-    setting is None inside ``fused_kernels_off()``."""
+    setting is None inside ``fused_kernels_off()``. A bad setting is an ``OptionError`` (the
+    CLI prints it and exits 2)."""
     if setting not in CHOICES:
-        raise ValueError(f"{switch} must be one of {', '.join(CHOICES)}; got {setting!r}")
+        raise OptionError(
+            f"{switch} must be one of {', '.join(CHOICES)}; got {setting!r}. Set it to one of "
+            "those, or unset it for the default."
+        )
     if setting == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"{switch}=pallas needs a GPU backend; use 'interpret' or 'auto' here")
+        raise OptionError(
+            f"{switch}=pallas needs a GPU backend; use 'interpret' or 'auto' here, or unset it."
+        )
     if setting == "auto":
         setting = "pallas" if jax.default_backend() == "gpu" else "off"
     return None if setting == "off" or kernels_off() else setting

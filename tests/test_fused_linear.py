@@ -16,6 +16,7 @@ from flax import nnx
 import jaxspec
 import jaxspec.model as jm
 from jaxspec import kernel_modes
+from jaxspec.errors import OptionError
 from pallas_kernels import fused_linear as fl
 from pallas_kernels import rope_attention
 from tests import tiny
@@ -149,11 +150,11 @@ def test_dispatch(monkeypatch):
         assert jm.fused_mode(rows, w) is None
     assert jm.fused_mode(rows, w) == "interpret"
     monkeypatch.setattr(jm, "FUSED_IMPL", "fast")
-    with pytest.raises(ValueError, match="JAXSPEC_FUSED_LINEAR must be one of"):
+    with pytest.raises(OptionError, match="JAXSPEC_FUSED_LINEAR must be one of"):
         jm.fused_mode(rows, w)
     if jax.default_backend() != "gpu":
         monkeypatch.setattr(jm, "FUSED_IMPL", "pallas")
-        with pytest.raises(ValueError, match="needs a GPU"):
+        with pytest.raises(OptionError, match="needs a GPU"):
             jm.fused_mode(rows, w)
 
 

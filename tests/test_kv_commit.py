@@ -13,6 +13,7 @@ import pytest
 
 import jaxspec
 import jaxspec.kv_cache as kvc
+from jaxspec.errors import OptionError
 from pallas_kernels import kv_commit as K
 from tests import tiny
 
@@ -68,7 +69,7 @@ def test_dispatch(monkeypatch):
     kvc.commit(cache, src, count)
     assert calls == [{"interpret": True}]
     monkeypatch.setattr(kvc, "FUSED_COMMIT", "fast")
-    with pytest.raises(ValueError, match="JAXSPEC_FUSED_COMMIT must be one of"):
+    with pytest.raises(OptionError, match="JAXSPEC_FUSED_COMMIT must be one of"):
         kvc.commit(cache, src, count)
 
 

@@ -232,6 +232,7 @@ def test_dispatch_modes(monkeypatch):
 
     import jaxspec.model as jm
     from jaxspec import kernel_modes
+    from jaxspec.errors import OptionError
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
     m = tiny_model(0, changes)
@@ -250,7 +251,7 @@ def test_dispatch_modes(monkeypatch):
     assert att.fused_attention(x.dtype, cache, dataclasses.replace(block, appended=False)) is None
     assert att.fused_attention(jnp.bfloat16, cache, block) is None  # dtype mismatch
     monkeypatch.setattr(jm, "FUSED_ATTENTION", "fast")
-    with pytest.raises(ValueError, match="off, auto, pallas, interpret"):
+    with pytest.raises(OptionError, match="off, auto, pallas, interpret"):
         att.fused_attention(x.dtype, cache, block)
 
 

@@ -136,3 +136,27 @@ def test_the_public_api_is_importable_from_the_package(model):
     assert isinstance(r, jaxspec.GenerationResult)
     assert len(r.tokens[0]) <= 3 and isinstance(r.text[0], str)
     assert r.stats["tokens_per_s"] > 0 and r.stats["acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "module, name", [("jaxspec.model", "FUSED_IMPL"), ("jaxspec.kv_cache", "FUSED_COMMIT")]
+)
+def test_cli_bad_kernel_switch_exits_2(ckpt, module, name, monkeypatch, capsys):
+    """JAXSPEC_FUSED_LINEAR=fast (read at import, checked when a program is traced) is an
+    OptionError that names the choices: printed, exit 2."""
+    import importlib
+
+    import jax
+
+    from jaxspec.engines import common
+
+    monkeypatch.setattr(importlib.import_module(module), name, "fast")
+    common._COMPILED.clear()  # a cached program would not trace again
+    jax.clear_caches()
+    argv = ["generate", "w3", "--model", str(ckpt), "--raw", "--max-new-tokens", "4"]
+    argv += ["--method", "tree", "--draft", "ngram"]  # the tree commits: both switches are read
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    common._COMPILED.clear()
+    jax.clear_caches()
+    assert code == 2 and err.startswith("error: ") and "must be one of off, auto" in err
