@@ -15,6 +15,14 @@
 #          verifies were 0.3 ms slower than chain ones, ~120 commit kernels).
 #   (The 1B and 8B shapes take the plain path: fused_linear.layer_problem.)
 #
+# Predicted before any run (session 10), to check against: the split-K step is 30 x 5 kernels
+# plus ~10, against 341. If a projection kernel takes 2.5-3.5 us (its weights take 0.3-1 us to
+# read at 3.5 TB/s; the rest is launch and one or two round trips to memory), the SmolLM2 step
+# goes from ~0.83 to 0.55-0.65 ms and autoregressive decoding at 1K past 1400 tok/s. At ~5 us a
+# kernel (the L2 re-reads of partials in the norm kernels, or poor Triton code for the GEMV),
+# it breaks even. The commit kernel should take a tree verify from ~1.16 ms to ~0.9 ms (one
+# kernel of a few us for ~120 of ~2.4 us).
+#
 #   bash benchmarks/gpu/session10.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
