@@ -170,27 +170,39 @@ class Attention(nnx.Module):
         ``x``'s layout)."""
         b, t = cos.shape[:2]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
-        qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
+        if self.fused_attention(q.dtype, k_cache, block) is not None:
+            # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
+            qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
+        else:  # kept apart: under tensor parallelism a concatenate of sharded heads reshards
+            qkv = tuple(tokens_of(y, b, t, -1, self.cfg.head_dim) for y in (q, k, v))
         out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block)
         return self.o_proj(rows_like(out, x)), k_cache, v_cache
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block, splits=False):
         """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
-        (or their float32 partial sums ``[P, b, t, H + 2 KH, hd]``): ``(out [b, t, H, hd],
-        k_cache, v_cache)``. With ``splits``, where the fused attention kernel runs, ``out`` is
-        its unmerged ``rope_attention.Splits`` (for ``fused_linear.combine_project``)."""
+        (or their float32 partial sums ``[P, b, t, H + 2 KH, hd]``, or the tuple ``(q, k, v)``
+        for the plain path): ``(out [b, t, H, hd], k_cache, v_cache)``. With ``splits``, where
+        the fused attention kernel runs, ``out`` is its unmerged ``rope_attention.Splits`` (for
+        ``fused_linear.combine_project``)."""
         cfg = self.cfg
-        mode = self.fused_attention(k_cache.dtype if qkv.ndim == 5 else qkv.dtype, k_cache, block)
-        if mode is not None:
-            fn = rope_attention.rope_attention_splits if splits else rope_attention.rope_attention
-            return fn(
-                qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
-                num_heads=cfg.num_heads, interpret=mode == "interpret",
-            )  # fmt: skip
-        q, k, v = rope_attention.split_heads(
-            rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
-        )
+        if isinstance(qkv, tuple):
+            q, k, v = qkv
+        else:
+            dtype = k_cache.dtype if qkv.ndim == 5 else qkv.dtype
+            mode = self.fused_attention(dtype, k_cache, block)
+            if mode is not None:
+                fn = (
+                    rope_attention.rope_attention_splits
+                    if splits
+                    else rope_attention.rope_attention
+                )
+                return fn(
+                    qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
+                    num_heads=cfg.num_heads, interpret=mode == "interpret",
+                )  # fmt: skip
+            q, k, v = rope_attention.split_heads(
+                rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
+            )
         k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
         v_cache = write(v_cache, v, block.slots)
         q = apply_rope(q, cos, sin)
