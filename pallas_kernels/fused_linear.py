@@ -288,6 +288,11 @@ def _combine_kernel(acc_ref, m_ref, ssum_ref, w_ref, o_ref, *, n_splits, t, g, h
 
 
 def _grid(widths, k: int, bn: int, bk: int):
+    for name, v in (("JAXSPEC_FUSED_BN", bn), ("JAXSPEC_FUSED_BK", bk)):
+        if v < 16 or v & (v - 1):
+            from jaxspec.errors import OptionError
+
+            raise OptionError(f"{name}={v}: the kernels' tiles must be powers of two >= 16")
     return (sum(-(-n // bn) for n in widths), n_splits(k, bk))
 
 

@@ -120,6 +120,9 @@ def test_unsupported_shapes():
     assert "does not take" in fl.unsupported_reason(x, jnp.zeros((8, 16)))
     assert fl.unsupported_reason(x, jnp.zeros((16, 24))) is None  # any width: tiles are masked
     assert fl.n_splits(576, 64) == 9 and fl.n_splits(1536, 64) == 24 and fl.n_splits(50, 16) == 4
+    for bad in (dict(bn=48), dict(bk=8)):  # a bad JAXSPEC_FUSED_BN / _BK
+        with pytest.raises(OptionError, match="powers of two"):
+            fl.project(x, (jnp.zeros((16, 16)),), interpret=True, **bad)
     # SmolLM2-135M's layer takes them; Llama-3.2-1B's would re-read 512 KiB of partials a program
     assert fl.layer_problem(576, 576, 1536, bk=128) is None
     assert "524288 bytes of down" in fl.layer_problem(2048, 2048, 8192, bk=128)
