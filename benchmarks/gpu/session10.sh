@@ -12,7 +12,8 @@
 #          the winning setting (or the defaults when none won) and the one-kernel tree commit
 #          (pallas_kernels/kv_commit.py, JAXSPEC_FUSED_COMMIT=auto).
 #   call 3 (no carry, within 30 s): the same at 1K with the commit kernel off (its A/B: tree
-#          verifies were 0.3 ms slower than chain ones, ~120 commit kernels).
+#          verifies were 0.3 ms slower than chain ones; the plain commit is a gather and a
+#          scatter in each of 60 caches).
 #   (The 1B and 8B shapes take the plain path: fused_linear.layer_problem.)
 #
 # Predicted before any run (session 10), to check against: the split-K step is 30 x 5 kernels
@@ -21,7 +22,7 @@
 # goes from ~0.83 to 0.55-0.65 ms and autoregressive decoding at 1K past 1400 tok/s. At ~5 us a
 # kernel (the L2 re-reads of partials in the norm kernels, or poor Triton code for the GEMV),
 # it breaks even. The commit kernel should take a tree verify from ~1.16 ms to ~0.9 ms (one
-# kernel of a few us for ~120 of ~2.4 us).
+# kernel of a few us for what is likely ~120 of ~2.4 us).
 #
 #   bash benchmarks/gpu/session10.sh 1|2|3
 set -u
