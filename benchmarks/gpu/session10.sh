@@ -27,7 +27,7 @@
 #   bash benchmarks/gpu/session10.sh 1|2|3
 set -u
 source benchmarks/gpu/env.sh
-quiet() { grep -v "^W0000\|^I0000\|^E0000"; }
+source benchmarks/gpu/lib.sh
 probe() {  # label, then probe_small arguments; the environment from the caller; prints ms
   timeout 120 python3 benchmarks/gpu/probe_small.py --label "$@" 2>&1 | quiet | python3 -c "
 import json,sys
@@ -38,11 +38,6 @@ print(r['label'], 'ms', round(r['ms_per_step'],4), 'kernels', r.get('kernels_per
 print('   top', r.get('top'), r.get('trace_error',''), file=sys.stderr)
 if '${SEQ:-}': print('   sequence', r.get('sequence'), file=sys.stderr)
 print(r['ms_per_step'])"
-}
-stash() {  # the GGUF's first half into the home folder (for a later call), the gguf wheel
-  mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target ~/site .whl/*.whl
 }
 case "${1:?call 1, 2 or 3}" in
 1)
@@ -66,9 +61,7 @@ case "${1:?call 1, 2 or 3}" in
   cp /tmp/probe_*.json "$OUT/" 2>/dev/null; ls "$OUT"
   ;;
 2)
-  cat ~/gguf/gguf.part00 .carry2/gguf.part01 > ~/smol.gguf
-  echo "$(cat .carry2/sha256)  $HOME/smol.gguf" | sha256sum -c || exit 1
-  export JAXSPEC_DEFAULT_GGUF=~/smol.gguf
+  join_gguf || exit 1
   set -a; [ -f ~/fused ] && source ~/fused; set +a
   export JAXSPEC_FUSED_COMMIT=auto
   env | grep JAXSPEC_FUSED
