@@ -67,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF folder or .gguf file")
     c.add_argument("dst", help="output folder (must not exist, or use --overwrite)")
     c.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
-    c.add_argument("--overwrite", action="store_true", help="replace an existing dst")
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing dst that is a jaxspec checkpoint or draft (never the source, "
+        "a folder holding it, or a folder with other files)",
+    )
 
     g = sub.add_parser(
         "generate",

@@ -58,8 +58,10 @@ def convert(
 ) -> pathlib.Path:
     """Convert an HF folder (safetensors) or a ``.gguf`` file into an Orbax checkpoint at ``dst``.
 
-    ``dtype`` is the stored parameter dtype. ``overwrite`` replaces an existing non-empty ``dst``
-    (only once the new checkpoint is complete). ``tokenizer=False`` skips the tokenizer.
+    ``dtype`` is the stored parameter dtype. ``overwrite`` replaces an existing ``dst`` that is
+    a jaxspec checkpoint or draft (nothing else: not the source, not a folder holding it, not a
+    folder with other files), by an atomic swap once the new checkpoint is complete.
+    ``tokenizer=False`` skips the tokenizer.
     Returns the absolute path of the checkpoint.
     """
     src = pathlib.Path(src).expanduser()
@@ -70,13 +72,7 @@ def convert(
             f"no checkpoint at {src}; give an HF model folder (config.json + *.safetensors) "
             "or a .gguf file."
         )
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst} exists and is not a folder; choose another destination.")
-    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise CheckpointError(
-            f"{dst} already exists and is not empty; pass overwrite=True (CLI: --overwrite) "
-            "to replace it, or choose another destination."
-        )
+    check_destination(src, dst, overwrite=overwrite)
     if src.is_dir():
         reader = _hf_reader(src)
     elif src.suffix.lower() == ".gguf":
@@ -112,6 +108,71 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+# What a folder written by ``convert`` (or by ``distill``, a draft) may hold: ``--overwrite``
+# replaces only such a folder, so that nothing else a user keeps there is ever deleted.
+CHECKPOINT_ENTRIES = frozenset({"config.json", "params", "tokenizer"})
+DRAFT_ENTRIES = frozenset({"draft.json", "params"})
+
+
+def checkpoint_kind(path: pathlib.Path) -> str | None:
+    """'checkpoint' or 'draft' when ``path`` is a folder that jaxspec wrote and holds nothing
+    else, else None. A checkpoint's config.json is a ModelConfig's (an HF folder's is not)."""
+    if not path.is_dir():
+        return None
+    names = {p.name for p in path.iterdir()}
+    if not (path / "params").is_dir():
+        return None
+    if names <= CHECKPOINT_ENTRIES and "config.json" in names:
+        try:
+            meta = json.loads((path / "config.json").read_text())
+            ModelConfig.from_json(json.dumps(meta))
+        except (ValueError, TypeError, KeyError, AttributeError, CheckpointError):
+            return None
+        return "checkpoint" if "dtype" in meta and "family" in meta else None
+    if names <= DRAFT_ENTRIES and "draft.json" in names:
+        try:
+            meta = json.loads((path / "draft.json").read_text())
+        except ValueError:
+            return None
+        return "draft" if str(meta.get("format", "")).startswith("jaxspec-draft/") else None
+    return None
+
+
+def check_destination(src: pathlib.Path, dst: pathlib.Path, *, overwrite: bool) -> None:
+    """Refuse, before any work, a destination that would lose data: the source itself, a
+    folder holding the source, a non-empty folder without ``overwrite``, and with it anything
+    but a jaxspec checkpoint or draft. A destination under a file is refused too."""
+    real_src, real_dst = src.resolve(), dst.resolve()
+    if real_dst == real_src or real_dst in real_src.parents:
+        what = "is the source" if real_dst == real_src else "holds the source"
+        raise CheckpointError(
+            f"the destination {dst} {what} ({src}); writing there would destroy the source. "
+            "Choose a destination outside it."
+        )
+    for parent in [real_dst, *real_dst.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "is" if parent == real_dst else f"is under {parent}, which is"
+            raise CheckpointError(
+                f"the destination {dst} {where} a file, not a folder; choose another destination."
+            )
+        if parent.exists():
+            break
+    if not real_dst.is_dir() or not any(real_dst.iterdir()):
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"{dst} already exists and is not empty; pass overwrite=True (CLI: --overwrite) "
+            "to replace it, or choose another destination."
+        )
+    if checkpoint_kind(real_dst) is None:
+        raise CheckpointError(
+            f"{dst} is not a jaxspec checkpoint or draft (it holds "
+            f"{', '.join(sorted(p.name for p in real_dst.iterdir())[:5])}), so --overwrite will "
+            "not replace it: it replaces only a folder that jaxspec wrote. Choose another "
+            "destination, or move that folder away yourself."
+        )
 
 
 def _counted(items: Iterator, bar) -> Iterator:
@@ -153,9 +214,29 @@ def _save_params(path: pathlib.Path, tree: dict) -> None:
         ckptr.wait_until_finished()
 
 
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system cannot, and the caller falls back to two renames."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _move_into_place(tmp: pathlib.Path, dst: pathlib.Path) -> None:
-    if not dst.exists():
+    """Put the finished checkpoint ``tmp`` at ``dst``: a rename, or, over an old checkpoint, an
+    atomic exchange of the two folders (the old one is then deleted from ``tmp``'s place)."""
+    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         os.replace(tmp, dst)
+        return
+    if _exchange(tmp, dst):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
         return
     old = _fresh_dir(dst, "old")
     os.replace(dst, old / "ckpt")

@@ -165,21 +165,80 @@ def test_existing_destination_is_refused_and_kept(src, out):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
-def test_failed_overwrite_keeps_the_old_checkpoint(src, out):
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
+def test_failed_overwrite_keeps_the_old_checkpoint(src, out, hf_dir):
+    convert(hf_dir, out, progress=False)
+    before = sorted(os.listdir(out))
     (src / "model.safetensors").write_bytes(b"junk")
     _convert_fails(src, out, "not a valid safetensors", overwrite=True)
-    assert sorted(os.listdir(out)) == ["precious.txt"]
+    assert sorted(os.listdir(out)) == before
+    assert load(out).config.num_layers == 2
 
 
-def test_overwrite_replaces_atomically(src, out):
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    got = convert(src, out, progress=False, overwrite=True)
+def test_overwrite_replaces_a_checkpoint_atomically(src, out, hf_dir):
+    convert(hf_dir, out, progress=False, dtype="float32")
+    got = convert(src, out, progress=False, overwrite=True, dtype="bfloat16")
     assert got == out and sorted(os.listdir(out)) == ["config.json", "params"]
     assert os.listdir(out.parent) == ["ckpt"]  # no .old / .tmp folders left
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert load(out).config.num_layers == 2
+
+
+def _tree(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_overwrite_never_replaces_the_source(src):
+    """0e41ea0: ``convert SRC SRC --overwrite`` exited 0 and the HF weights were gone."""
+    before = _tree(src)
+    with pytest.raises(CheckpointError, match="is the source"):
+        convert(src, src, progress=False, overwrite=True)
+    assert _tree(src) == before
+
+
+def test_overwrite_never_replaces_a_folder_holding_the_source(tmp_path, hf_dir):
+    """0e41ea0: ``convert parent/src parent --overwrite`` deleted parent/other.txt and src."""
+    parent = tmp_path / "parent"
+    shutil.copytree(hf_dir, parent / "src")
+    (parent / "other.txt").write_text("mine")
+    before = _tree(parent)
+    with pytest.raises(CheckpointError, match="holds the source"):
+        convert(parent / "src", parent, progress=False, overwrite=True)
+    with pytest.raises(CheckpointError, match="holds the source"):
+        convert(parent / "src" / "config.json", tmp_path, progress=False, overwrite=True)
+    assert _tree(parent) == before
+
+
+def test_overwrite_never_replaces_a_folder_jaxspec_did_not_write(src, out, hf_dir):
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    _convert_fails(src, out, "not a jaxspec checkpoint", overwrite=True)
+    assert sorted(os.listdir(out)) == ["precious.txt"]
+    # an HF folder has a config.json and is still not a checkpoint
+    other = shutil.copytree(hf_dir, out.parent / "hf-copy")
+    before = _tree(other)
+    _convert_fails(src, other, "not a jaxspec checkpoint", overwrite=True)
+    assert _tree(other) == before
+    # nor is a checkpoint with a user's file beside it
+    convert(hf_dir, out.parent / "ck2", progress=False)
+    (out.parent / "ck2" / "notes.txt").write_text("mine")
+    _convert_fails(src, out.parent / "ck2", "not a jaxspec checkpoint", overwrite=True)
+    assert (out.parent / "ck2" / "notes.txt").read_text() == "mine"
+
+
+def test_destination_under_a_file_is_refused_before_any_work(src, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="a file, not a folder"):
+        convert(src, tmp_path / "afile" / "ckpt", progress=False)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_cli_overwrite_of_the_source_exits_2(src, capsys):
+    from jaxspec.cli import main
+
+    before = _tree(src)
+    assert main(["convert", str(src), str(src), "--overwrite"]) == 2
+    assert "is the source" in capsys.readouterr().err
+    assert _tree(src) == before
 
 
 def test_empty_existing_destination_is_used(src, out):
