@@ -14,9 +14,9 @@ import jax
 import numpy as np
 
 from benchmarks.common import metadata, write
-from jaxspec.convert import load
-from jaxspec.default_model import default_checkpoint, default_gguf_path
-from jaxspec.generate import generate
+from jaxspec.api import generate
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint, default_gguf_path
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 

@@ -1,11 +1,12 @@
 """Decode and verify step times of model shapes against their HBM floor (random bf16 weights).
 
 One case = (shape, batch, context, block size T, tensor-parallel degree). A case times the
-project's own forward (``jaxspec.model.apply``: unrolled layers, the Pallas decode-attention kernel
-on GPU, in-place cache writes) inside one jitted ``lax.fori_loop`` of ``--steps`` steps with the
-cache donated, so the figure is the per-step cost with the loop on device, as the engines run it.
-The floor is the bytes a step must read (every weight except an untied input embedding, of which
-one row is read, plus the visible K/V) over ``--hbm-tbs`` (4.3 TB/s for an H200).
+project's own forward (``jaxspec.model.transformer.apply``: unrolled layers, the Pallas
+decode-attention kernel on GPU, in-place cache writes) inside one jitted ``lax.fori_loop`` of
+``--steps`` steps with the cache donated, so the figure is the per-step cost with the loop on
+device, as the engines run it. The floor is the bytes a step must read (every weight except an
+untied input embedding, of which one row is read, plus the visible K/V) over ``--hbm-tbs`` (4.3 TB/s
+for an H200).
 
 XLA flags are read when jax starts, so flag variants are separate processes: see
 ``benchmarks/gpu/decode.sh``. ``--label`` tags the rows of one process; rows are appended to the
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 from benchmarks.common import metadata
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
-from jaxspec.kernel_modes import fused_kernels_off
-from jaxspec.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model import apply, new_model
+from jaxspec.kernels import fused_kernels_off
+from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
+from jaxspec.model.transformer import apply, new_model
 from jaxspec.timing import median_ms
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
@@ -127,8 +128,8 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
     if case.tp > 1:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxspec import sharding
-        from jaxspec.engines.swiftspec import place
+        from jaxspec.engines.swiftspec.engine import place
+        from jaxspec.model.transformer import sharding
 
         params, mesh = place(params, cfg, devices)
         kv = NamedSharding(mesh, PartitionSpec(None, None, sharding.TP, None))

@@ -9,7 +9,7 @@ Writes ``benchmarks/results/distill.json`` with one section per device (``--devi
     .venv/bin/python benchmarks/bench_distill.py                       # CPU, the shipped draft
     python3 benchmarks/bench_distill.py --draft RUN/draft --device-tag h200 --out $OUT/distill.json
 
-Every prompt runs through the engines' own ``run`` (what ``jaxspec.generate`` calls) with all
+Every prompt runs through the engines' own ``run`` (what ``jaxspec.api`` calls) with all
 prompts padded to one width (the longest, rounded up to 64), so each configuration compiles
 once; compilation is excluded from tokens/s. Each method's tokens are compared with
 autoregressive decoding's (``identical_to_autoregressive``); in float32 they must all be equal.
@@ -37,8 +37,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, humaneval_prompts, metadata  # noqa: E402
-from jaxspec.engines.common import PREFILL_CHUNK, trim  # noqa: E402
-from jaxspec.sampling import Sampling  # noqa: E402
+from jaxspec.engines.base import PREFILL_CHUNK, trim  # noqa: E402
+from jaxspec.spec.sampling import Sampling  # noqa: E402
 
 
 def configs(gamma: int, budget: int, sinks: int):
@@ -91,9 +91,9 @@ def device_tag() -> str:
 
 
 def main(argv=None) -> int:
-    from jaxspec.convert import load
-    from jaxspec.default_model import default_checkpoint
-    from jaxspec.distill import SHIPPED, load_draft
+    from jaxspec.io.convert import load
+    from jaxspec.io.default_model import default_checkpoint
+    from jaxspec.train.distill import SHIPPED, load_draft
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=str(SHIPPED), help="distilled draft folder")

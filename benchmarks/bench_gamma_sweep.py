@@ -19,10 +19,10 @@ import jax.numpy as jnp
 
 from benchmarks.bench_small_model import context_ids
 from benchmarks.common import metadata, write
-from jaxspec.convert import load
-from jaxspec.default_model import default_checkpoint
-from jaxspec.draft_checkpoint import SHIPPED, load_draft
-from jaxspec.generate import generate
+from jaxspec.api import generate
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint
+from jaxspec.io.draft_checkpoint import SHIPPED, load_draft
 
 
 def main(argv=None):

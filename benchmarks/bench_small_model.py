@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import humaneval_prompts, metadata, write
-from jaxspec.convert import load
-from jaxspec.default_model import default_checkpoint, default_gguf_path
-from jaxspec.generate import generate
+from jaxspec.api import generate
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint, default_gguf_path
 
 
 def context_ids(model, ctx: int, new: int) -> list[int]:
@@ -101,7 +101,7 @@ def float32_check(ids: list[int], new: int, draft_path: str | None, trees=({"dep
     m32 = load(default_checkpoint(), dtype=jnp.float32)
     drafts = {"ngram": "ngram"}
     if draft_path:
-        from jaxspec.distill import load_draft
+        from jaxspec.train.distill import load_draft
 
         drafts = {"distilled": load_draft(draft_path, m32), **drafts}
     rows = {}
@@ -153,7 +153,7 @@ def main():
     model = load(default_checkpoint(), dtype=dtype)
     drafts = {"ngram": "ngram"}
     if args.draft:
-        from jaxspec.distill import load_draft
+        from jaxspec.train.distill import load_draft
 
         drafts = {"distilled": load_draft(args.draft, model), **drafts}
     payload = {
@@ -240,8 +240,8 @@ def main():
         if ctx == int(args.contexts.split(",")[0]):
             # JAXSPEC_ATTENTION=reference: the jnp attention where the model dispatches (the
             # prefill's chunks); the fused decode-step kernel has its own switch
-            import jaxspec.model as jm
-            from jaxspec.engines import common
+            import jaxspec.model.transformer as jm
+            from jaxspec.engines import base as common
 
             before, jm.ATTENTION_IMPL = jm.ATTENTION_IMPL, "reference"
             common._COMPILED.clear()

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import humaneval_prompts, metadata, write
-from jaxspec.convert import load
-from jaxspec.default_model import default_checkpoint
-from jaxspec.generate import generate
+from jaxspec.api import generate
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint
 
-# "first-N-layers": the target's first N layers with its final norm and head (jaxspec.model.
-# truncate): a separate small draft model that shares the tokenizer, with no training.
+# "first-N-layers": the target's first N layers with its final norm and head
+# (jaxspec.model.transformer. truncate): a separate small draft model that shares the tokenizer,
+# with no training.
 CONFIGS = [
     ("autoregressive", None, {}),
     ("chain", "first-10-layers", {"gamma": 3}),
@@ -52,7 +53,7 @@ DRAFTS: dict = {}
 
 
 def run(model, prompts, method, draft_name, opts, new):
-    from jaxspec.model import truncate
+    from jaxspec.model.transformer import truncate
 
     draft = DRAFTS.get(draft_name, draft_name)
     if draft_name and draft_name.startswith("first-"):
@@ -104,7 +105,7 @@ def main():
     prompts = humaneval_prompts(args.prompts)
     configs = list(CONFIGS if args.set == "core" else E2E)
     if args.draft:
-        from jaxspec.distill import load_draft
+        from jaxspec.train.distill import load_draft
 
         DRAFTS["distilled"] = load_draft(args.draft, model)
     configs = [c for c in configs if c[1] != "distilled" or "distilled" in DRAFTS]

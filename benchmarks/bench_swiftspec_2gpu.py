@@ -29,9 +29,9 @@ import numpy as np
 
 from benchmarks.common import metadata, write
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
-from jaxspec import profiler
-from jaxspec.generate import generate
-from jaxspec.model import new_model
+from jaxspec.api import generate
+from jaxspec.measure import split as profiler
+from jaxspec.model.transformer import new_model
 
 
 def device_put_blocks(d0, d1) -> dict:

@@ -10,7 +10,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def metadata() -> dict:
-    from jaxspec.bench import metadata as run_metadata
+    from jaxspec.measure.bench import metadata as run_metadata
 
     return run_metadata()
 
@@ -24,7 +24,7 @@ def write(name: str, payload: dict, out: str | None = None) -> pathlib.Path:
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
-    """HumanEval prompts (OpenAI, MIT licence): see jaxspec.datasets."""
-    from jaxspec.datasets import humaneval
+    """HumanEval prompts (OpenAI, MIT licence): see jaxspec.io.datasets."""
+    from jaxspec.io.datasets import humaneval
 
     return humaneval(n)

@@ -1,9 +1,8 @@
 """jaxspec: lossless speculative decoding in JAX."""
 
+from jaxspec.api import generate
 from jaxspec.config import ModelConfig
-from jaxspec.convert import convert, load
-from jaxspec.distill import load_draft
-from jaxspec.engines.common import GenerationResult
+from jaxspec.engines.base import GenerationResult
 from jaxspec.errors import (
     CheckpointError,
     DeviceError,
@@ -13,8 +12,9 @@ from jaxspec.errors import (
     PromptError,
     WorkerError,
 )
-from jaxspec.generate import generate
-from jaxspec.model import Model, new_model
+from jaxspec.io.convert import convert, load
+from jaxspec.model.transformer import Model, new_model
+from jaxspec.train.distill import load_draft
 
 __all__ = [
     "CheckpointError",

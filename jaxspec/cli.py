@@ -213,7 +213,7 @@ DISTILL_OPTIONS = (
 
 
 def _add_distill_parser(sub) -> None:
-    from jaxspec.distill import DataSpec, Recipe
+    from jaxspec.train.distill import DataSpec, Recipe
 
     defaults = {**vars(DataSpec()), **vars(Recipe()), "data_seed": DataSpec().seed}
     d = sub.add_parser(
@@ -278,8 +278,8 @@ def _dtype(name: str):
 
 
 def _load_target(args):
-    from jaxspec.convert import load
-    from jaxspec.default_model import default_checkpoint
+    from jaxspec.io.convert import load
+    from jaxspec.io.default_model import default_checkpoint
 
     path = args.model or default_checkpoint()
     return load(path, dtype=_dtype(args.dtype))
@@ -288,8 +288,8 @@ def _load_target(args):
 def _load_draft(args, target):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
-    from jaxspec.convert import load
-    from jaxspec.distill import is_draft_checkpoint, load_draft
+    from jaxspec.io.convert import load
+    from jaxspec.train.distill import is_draft_checkpoint, load_draft
 
     if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
         return load_draft(args.draft, target)
@@ -308,7 +308,7 @@ def _auto_method(args, target, draft):
     import jax
 
     if args.model is None and jax.default_backend() == "gpu":
-        from jaxspec.distill import shipped_draft
+        from jaxspec.train.distill import shipped_draft
 
         shipped = shipped_draft(target)
         if shipped is not None:
@@ -326,7 +326,7 @@ def _method_options(args) -> dict:
 
 
 def cmd_convert(args) -> int:
-    from jaxspec.convert import convert
+    from jaxspec.io.convert import convert
 
     out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     print(f"converted {args.src} -> {out}")
@@ -334,7 +334,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jaxspec.generate import generate
+    from jaxspec.api import generate
 
     target = _load_target(args)
     method, draft = _auto_method(args, target, _load_draft(args, target))
@@ -369,8 +369,9 @@ def cmd_bench(args) -> int:
     import json
     import pathlib
 
-    from jaxspec import bench, datasets
     from jaxspec.errors import OptionError
+    from jaxspec.io import datasets
+    from jaxspec.measure import bench
 
     options = {}
     for item in args.option:
@@ -427,8 +428,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from jaxspec import profiler
     from jaxspec.errors import OptionError
+    from jaxspec.measure import split as profiler
 
     if args.prompt_tokens < 1:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
@@ -473,8 +474,8 @@ def _int_list(flag: str, text: str) -> list[int]:
 
 
 def _profile_magicdec(args, target, draft) -> int:
-    from jaxspec import datasets
     from jaxspec.engines import magicdec, tree
+    from jaxspec.io import datasets
 
     batches = _int_list("--batches", args.batches)
     prefixes = _int_list("--prefixes", args.prefixes or str(args.prompt_tokens))
@@ -485,7 +486,7 @@ def _profile_magicdec(args, target, draft) -> int:
             dict(depth=args.depth, width=args.width, branch=args.branch, bs=args.bs)
         )
     prompts = None
-    if target.tokenizer is not None:  # alpha on real long documents (see jaxspec.datasets)
+    if target.tokenizer is not None:  # alpha on real long documents (see jaxspec.io.datasets)
 
         def prompts(b, p):
             return datasets.longdoc_prompts(target.tokenizer, b, p)
@@ -534,10 +535,10 @@ def _profile_magicdec(args, target, draft) -> int:
 
 
 def cmd_distill(args) -> int:
-    from jaxspec.bench import metadata
-    from jaxspec.convert import load
-    from jaxspec.default_model import default_checkpoint
-    from jaxspec.distill import distill
+    from jaxspec.io.convert import load
+    from jaxspec.io.default_model import default_checkpoint
+    from jaxspec.measure.bench import metadata
+    from jaxspec.train.distill import distill
 
     target = load(args.target or default_checkpoint(), dtype=_dtype(args.dtype))
     options = {

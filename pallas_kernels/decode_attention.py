@@ -1,7 +1,7 @@
 """Ragged batched decode / small-T attention: split-K flash-decoding over the prefix plus the
 block part, merged by log-sum-exp.
 
-Contract (the same as :func:`jaxspec.attention.attend`): ``q [B,T,H,hd]``, caches ``k, v
+Contract (the same as :func:`pallas_kernels.reference.attend`): ``q [B,T,H,hd]``, caches ``k, v
 [B,S,KH,hd]`` (GQA: ``H = KH * G``), ``length [B]`` (slots ``[0, length[b])`` are the committed
 prefix, seen by every query), ``block_mask [B,T,N]`` (query t sees slot ``length[b] + j`` iff
 ``block_mask[b, t, j]``). Output ``[B,T,H,hd]`` in ``q.dtype``; scores and softmax in float32; a
@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.attention import attend
+from pallas_kernels.reference import attend
 
 # Streaming-multiprocessor count of the target GPU (H100/H200: 132); only sizes k_splits.
 NUM_SMS = 132
@@ -57,7 +57,7 @@ def reference(
     length: Int[Array, " b"],
     block_mask: Bool[Array, "b t n"],
 ) -> Float[Array, "b t h hd"]:
-    """The pure-jnp reference (``jaxspec.attention.attend``)."""
+    """The pure-jnp reference (``pallas_kernels.reference.attend``)."""
     return attend(q, k, v, length, block_mask)
 
 

@@ -1,7 +1,7 @@
 """Pick an attention implementation by backend and shape.
 
 ``attention(q, k, v, length, block_mask, impl=...)`` has the contract of
-``jaxspec.attention.attend``. ``impl``:
+``pallas_kernels.reference.attend``. ``impl``:
 
 - ``"reference"``: the pure-jnp ``attend`` (any backend, any shape);
 - ``"pallas"``: a Pallas kernel compiled for the GPU: the split-K decode kernel
@@ -14,11 +14,11 @@
 
 Everything is decided from static shapes and dtypes, so it works under ``jax.jit``.
 
-Under tensor parallelism (q heads and K/V heads split over a mesh axis, as ``jaxspec.sharding``
-lays them out) the Pallas kernel runs once per device on its local heads: it is wrapped in
-``custom_partitioning`` with a Shardy rule saying the batch and head dimensions pass through
-and the rest stay whole. Without the rule the partitioner cannot see into the kernel and
-gathers every device's K/V cache at every layer.
+Under tensor parallelism (q heads and K/V heads split over a mesh axis, as
+``jaxspec.model.sharding`` lays them out) the Pallas kernel runs once per device on its local heads:
+it is wrapped in ``custom_partitioning`` with a Shardy rule saying the batch and head dimensions
+pass through and the rest stay whole. Without the rule the partitioner cannot see into the kernel
+and gathers every device's K/V cache at every layer.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.attention import attend
-
 # the module, not its names: importing a kernel module first (pallas_kernels.decode_attention
 # imports jaxspec, which imports this file) would find it half initialised
 from pallas_kernels import decode_attention as D
 from pallas_kernels import prefill_attention as P
+from pallas_kernels.reference import attend
 
 Impl = Literal["auto", "reference", "pallas", "pallas_interpret"]
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -66,7 +65,7 @@ def attention(
     impl: Impl = "auto",
 ) -> Float[Array, "b t h hd"]:
     """Grouped-query attention of T queries over the cache prefix plus their allowed block slots
-    (see ``jaxspec.attention.attend``), by the implementation ``impl`` picks."""
+    (see ``pallas_kernels.reference.attend``), by the implementation ``impl`` picks."""
     chosen = choose_impl(q, k, v, block_mask, impl)
     if chosen == "reference":
         return attend(q, k, v, length, block_mask)

@@ -38,11 +38,11 @@ turns them on (``jaxspec/model.py``). ``JAXSPEC_FUSED_BN`` / ``JAXSPEC_FUSED_BK`
 
 Contract: rows ``[M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as the
 model stores them (``y = x @ w``), partials ``[S, M, sum N]`` float32 with ``S = ceil(K / BK)``,
-the weights' columns side by side. Rounding happens where the plain path (``jaxspec.model``)
-rounds: each projection's sum is rounded to the input dtype before the residual add or SiLU, the
-normalised row before the norm weight scales it. Products are exact in float32 and summed in
-float32, so only the summation order differs from XLA's GEMM (float32 results agree to ~1e-6).
-Rows and columns past the arrays' ends are masked, so any M, K and N work.
+the weights' columns side by side. Rounding happens where the plain path
+(``jaxspec.model.transformer``) rounds: each projection's sum is rounded to the input dtype before
+the residual add or SiLU, the normalised row before the norm weight scales it. Products are exact in
+float32 and summed in float32, so only the summation order differs from XLA's GEMM (float32 results
+agree to ~1e-6). Rows and columns past the arrays' ends are masked, so any M, K and N work.
 """
 
 from __future__ import annotations

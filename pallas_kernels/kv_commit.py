@@ -1,8 +1,8 @@
 """The tree engines' cache commit as one kernel for every layer's K and V cache.
 
 After a tree verify the target keeps the root and the accepted path: the K/V rows at block slots
-``src[b, i]`` move to ``length[b] + i`` (``jaxspec.kv_cache.commit``). The plain path does that
-with a gather and a scatter per cache: 60 caches in SmolLM2, so likely ~120 small kernels a
+``src[b, i]`` move to ``length[b] + i`` (``jaxspec.model.kv_cache.commit``). The plain path does
+that with a gather and a scatter per cache: 60 caches in SmolLM2, so likely ~120 small kernels a
 verify (not counted yet). That would explain the 0.3 ms by which a tree verify of 9 nodes
 outlasted a chain verify of 9 tokens on the H200 (1.16 against 0.85 ms;
 benchmarks/notes/small_model_trees_s9.md). A chain commits by moving ``length`` only.

@@ -5,8 +5,8 @@ Issue 10: at context 4096 the default model spent 98 ms of a 184 ms request in t
 256-token chunks, above the decode kernel's 64-query limit, so their attention was the jnp
 reference: float32 scores over the whole cache, written and read back several times per layer.
 
-Contract: that of :func:`jaxspec.attention.attend` (and ``decode_attention``): ``q [B,T,H,hd]``,
-caches ``k, v [B,S,KH,hd]`` (GQA: ``H = KH * G``) holding the block's own K/V at slots
+Contract: that of :func:`pallas_kernels.reference.attend` (and ``decode_attention``): ``q
+[B,T,H,hd]``, caches ``k, v [B,S,KH,hd]`` (GQA: ``H = KH * G``) holding the block's own K/V at slots
 ``length[b] + j``, ``length [B]``, ``block_mask [B,T,N]``. Every query sees the prefix
 ``[0, length[b])`` and the block slots its mask row allows; a query that sees nothing returns
 zeros; slots at or past ``S`` are never visible. Scores and softmax in float32.
@@ -119,8 +119,8 @@ def prefill_attention(
     interpret: bool = False,
 ) -> Float[Array, "b t h hd"]:
     """Flash attention of T queries over the prefix plus their block slots (the contract and
-    result of ``jaxspec.attention.attend``). ``block_q`` (queries per program; default 64, less
-    for short blocks) and ``block_k`` (KV slots per step; default 64) are powers of two >= 16;
+    result of ``pallas_kernels.reference.attend``). ``block_q`` (queries per program; default 64,
+    less for short blocks) and ``block_k`` (KV slots per step; default 64) are powers of two >= 16;
     ``interpret=True`` runs the Pallas interpreter (CPU tests)."""
     reason = unsupported_reason(q, k, v, block_mask)
     if reason is not None:

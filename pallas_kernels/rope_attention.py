@@ -9,7 +9,7 @@ before RoPE), and per program:
 
 - gathers its query rows (the ``g`` query heads of its KV head, for every new token) straight
   from ``qkv`` and rotates them (rotate-half RoPE in float32, rounded to the input dtype, as
-  ``jaxspec.attention.apply_rope``);
+  ``pallas_kernels.reference.apply_rope``);
 - runs the same split-K online softmax over the committed prefix ``[0, length)`` as
   ``decode_attention`` (the prefix is read from the cache, never written);
 - in the last split, takes the block part from registers instead of the cache: the new keys,
@@ -26,9 +26,9 @@ H200, XLA's split-K sum): the first version, which took Q rotated and transposed
 and K and V as two slices, left three such fusions per layer (session 8's probe:
 benchmarks/notes/small_step_probe.md).
 
-It serves "appended" blocks only (``jaxspec.kv_cache.Block.appended``): token ``i`` of row ``b``
-goes to slot ``length[b] + i`` (or nowhere: a slot past the capacity), and block column ``j`` is
-token ``j``. That is a decode step, a chain verify and the target's tree verify; a draft's tree
+It serves "appended" blocks only (``jaxspec.model.kv_cache.Block.appended``): token ``i`` of row
+``b`` goes to slot ``length[b] + i`` (or nowhere: a slot past the capacity), and block column ``j``
+is token ``j``. That is a decode step, a chain verify and the target's tree verify; a draft's tree
 expansion (whose block window holds earlier nodes) takes ``decode_attention``.
 
 The result equals ``reference`` (RoPE, ``kv_cache.write``, ``attention.attend``); the combine of
@@ -50,9 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.attention import apply_rope, attend
-from jaxspec.kv_cache import write
 from pallas_kernels import decode_attention as D
+from pallas_kernels.reference import apply_rope, attend
+from pallas_kernels.reference import scatter_rows as write
 
 
 def split_heads(qkv, num_heads: int, num_kv_heads: int):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import acceptance as A
-from jaxspec import tree as T
+from jaxspec.spec import acceptance as A
+from jaxspec.spec import tree as T
 
 V = 5
 ACCEPT_TREE = jax.jit(A.accept_tree)

@@ -6,7 +6,9 @@ import json
 import pytest
 
 import jaxspec
-from jaxspec import bench, cli, datasets, time_split
+from jaxspec import cli
+from jaxspec.io import datasets
+from jaxspec.measure import bench, time_split
 from jaxspec.prompts import encode_prompts
 from tests import hf_fixtures
 

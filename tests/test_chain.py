@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxspec.generate import generate
+from jaxspec.api import generate
 from tests import tiny
 
 SEEDS = range(20)

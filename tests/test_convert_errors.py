@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import default_model
-from jaxspec.convert import convert, load
 from jaxspec.errors import CheckpointError, DeviceError
+from jaxspec.io import default_model
+from jaxspec.io.convert import convert, load
 from tests.hf_fixtures import make_hf_model, save_hf_checkpoint, write_gguf
 
-jconvert = sys.modules["jaxspec.convert"]  # the module (jaxspec.convert is the function)
+jconvert = sys.modules["jaxspec.io.convert"]  # the module (jaxspec.io.convert is the function)
 
 
 @pytest.fixture(scope="module")

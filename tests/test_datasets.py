@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from jaxspec import datasets
 from jaxspec.errors import OptionError
+from jaxspec.io import datasets
 
 
 def test_saved_humaneval_is_the_whole_package_set():

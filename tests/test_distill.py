@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxspec import cli
-from jaxspec import distill as D
+from jaxspec.api import generate
 from jaxspec.errors import DraftError, JaxspecError, OptionError
-from jaxspec.generate import generate
+from jaxspec.train import distill as D
 from tests import tiny
 
 # one prompt longer than a prefill chunk (256): the data's prefill must see all of it
@@ -218,7 +218,7 @@ def test_a_failed_write_leaves_no_draft(run, target, tmp_path, monkeypatch):
     def boom(tmp, dst):
         raise OSError("disk full")
 
-    import jaxspec.draft_checkpoint as ckpt
+    import jaxspec.io.draft_checkpoint as ckpt
 
     monkeypatch.setattr(ckpt, "_replace", boom)  # the draft's atomic rename
     with pytest.raises(OSError, match="disk full"):
@@ -240,8 +240,8 @@ def test_the_shipped_draft_drafts_for_smollm2():
     """The shipped draft with the real SmolLM2-135M-Instruct (float32): it loads, chain output
     equals greedy decoding, and it accepts more than one token per verification."""
     import jaxspec
-    from jaxspec.datasets import humaneval
-    from jaxspec.default_model import default_checkpoint
+    from jaxspec.io.datasets import humaneval
+    from jaxspec.io.default_model import default_checkpoint
 
     target = jaxspec.load(default_checkpoint(), dtype="float32")
     draft = D.shipped_draft(target)

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import jaxspec
-import jaxspec.model as jm
-from jaxspec import kernel_modes
+import jaxspec.model.transformer as jm
+from jaxspec import kernels as kernel_modes
 from jaxspec.errors import OptionError
 from pallas_kernels import fused_linear as fl
 from pallas_kernels import rope_attention
@@ -162,7 +162,7 @@ def test_dispatch(monkeypatch):
 
 
 def _clear():
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     common._COMPILED.clear()
     jax.clear_caches()
@@ -227,7 +227,7 @@ def test_sharded_compiles_trace_without_the_kernels(monkeypatch):
     devices (tensor parallel: a kernel would see whole weights, so they would be gathered)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
     seen = []

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxspec.convert import convert, load
-from jaxspec.default_model import default_gguf_path
+from jaxspec.io.convert import convert, load
+from jaxspec.io.default_model import default_gguf_path
 
 N_NEW = 32
 ATOL = 1e-3
@@ -117,8 +117,8 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
     import jax
 
     import jaxspec
-    import jaxspec.model as jm
-    from jaxspec.engines import common
+    import jaxspec.model.transformer as jm
+    from jaxspec.engines import base as common
     from pallas_kernels import decode_attention as D
     from pallas_kernels import fused_linear
 

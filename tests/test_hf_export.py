@@ -9,8 +9,8 @@ import torch
 from flax import nnx
 
 import jaxspec
-from jaxspec import hf_export
-from jaxspec.model import new_model
+from jaxspec.io import hf_export
+from jaxspec.model.transformer import new_model
 from tests import hf_fixtures, tiny
 
 

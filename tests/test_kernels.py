@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.attention import attend
 from pallas_kernels.decode_attention import (
     decode_attention,
     decode_attention_partials,
@@ -21,6 +20,7 @@ from pallas_kernels.decode_attention import (
     unsupported_reason,
 )
 from pallas_kernels.dispatch import attention, choose_impl
+from pallas_kernels.reference import attend
 from pallas_kernels.tree_attention import tree_attention
 
 INTERPRET = jax.default_backend() != "gpu"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-import jaxspec.kv_cache as kvc
+import jaxspec.model.kv_cache as kvc
 from jaxspec.errors import OptionError
 from pallas_kernels import kv_commit as K
 from tests import tiny
@@ -76,7 +76,7 @@ def test_dispatch(monkeypatch):
 def test_tree_decoding_commits_through_the_kernel(monkeypatch):
     """Greedy tokens (float32) of the tree engine with a model draft (the target's and the
     draft's caches both commit) equal the plain commit's, and the autoregressive tokens."""
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     target = tiny.model(4)
     draft = tiny.perturbed(target, 0.3, 4)

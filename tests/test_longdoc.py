@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxspec import datasets
 from jaxspec.errors import OptionError
+from jaxspec.io import datasets
 
 
 class CharTokenizer:

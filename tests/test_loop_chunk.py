@@ -7,7 +7,7 @@ greedy and sampled, for every engine and draft kind."""
 import pytest
 
 import jaxspec
-from jaxspec.engines import common
+from jaxspec.engines import base as common
 from jaxspec.errors import OptionError
 from tests import tiny
 

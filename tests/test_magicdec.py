@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import cost_model, drafts, snapkv
+from jaxspec.api import generate
 from jaxspec.config import ModelConfig
 from jaxspec.engines import magicdec
-from jaxspec.engines.common import pad_prompts, prefill
+from jaxspec.engines.base import pad_prompts, prefill
 from jaxspec.errors import DraftError, OptionError
-from jaxspec.generate import generate
-from jaxspec.kv_cache import KVCache, init_cache
+from jaxspec.measure import cost_model
+from jaxspec.model.kv_cache import KVCache, init_cache
+from jaxspec.spec import drafts, snapkv
 from tests import tiny
 
 NEW = 20
@@ -217,7 +218,7 @@ def test_draft_step_costs_the_budget_not_the_context():
     compiles to the same program at any target context: the draft's cache is the budget's,
     nothing of the target's cache rides along, and no cache-sized copy is made."""
     from jaxspec.engines import chain
-    from jaxspec.sampling import Sampling
+    from jaxspec.spec.sampling import Sampling
 
     target = tiny.model(0)
     d, dparams = magicdec.resolve_draft(target, "self-streaming", budget=BUDGET)

@@ -5,10 +5,10 @@ draft kind), full acceptance when the sparse draft is exact, the tree term of th
 
 import pytest
 
-from jaxspec import cost_model
+from jaxspec.api import generate
 from jaxspec.engines import magicdec
 from jaxspec.errors import OptionError
-from jaxspec.generate import generate
+from jaxspec.measure import cost_model
 from tests import tiny
 from tests.test_magicdec import BUDGET, KINDS, LENS8, NEW, eos_target, reference
 

@@ -7,8 +7,8 @@ import pytest
 
 import jaxspec
 from jaxspec.config import ModelConfig
-from jaxspec.kv_cache import causal_block, init_cache
-from jaxspec.model import apply, new_model
+from jaxspec.model.kv_cache import causal_block, init_cache
+from jaxspec.model.transformer import apply, new_model
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -50,7 +50,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(seed):
 
 
 def test_truncate_keeps_the_first_layers_and_the_head():
-    from jaxspec.model import truncate
+    from jaxspec.model.transformer import truncate
 
     model = new_model(CFG, seed=4)
     ids = np.random.RandomState(4).randint(0, CFG.vocab_size, (1, 9))
@@ -67,8 +67,8 @@ def test_truncate_keeps_the_first_layers_and_the_head():
 def test_min_gemm_rows_padding_keeps_results(monkeypatch, where):
     """The GEMM row padding knobs (JAXSPEC_MIN_GEMM_ROWS, JAXSPEC_ROW_PADDING: each matmul's
     rows or the whole residual stream) change kernels, not results."""
-    import jaxspec.model as jm
-    from jaxspec.generate import generate
+    import jaxspec.model.transformer as jm
+    from jaxspec.api import generate
     from tests import tiny
 
     m = tiny.model(3)
@@ -79,7 +79,7 @@ def test_min_gemm_rows_padding_keeps_results(monkeypatch, where):
     monkeypatch.setattr(jm, "ROW_PADDING", where)
     assert jm.stream_rows(1) == (8 if where == "stream" else None) and jm.stream_rows(9) is None
     jax.clear_caches()
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     common._COMPILED.clear()
     np.testing.assert_allclose(np.asarray(m.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5)
@@ -96,7 +96,7 @@ def test_bf16_model_logits_keep_float32_precision():
     from tests import tiny
 
     m = tiny.model(4)
-    m16 = jaxspec.model.Model(
+    m16 = jaxspec.model.transformer.Model(
         m.config, m.graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
     )
     logits = np.asarray(m16.logits([tiny.prompts(1)[0]]))
@@ -114,8 +114,8 @@ def test_bf16_model_logits_keep_float32_precision():
         "pallas_kernels.fused_linear",
         "pallas_kernels.dispatch",
         "pallas_kernels.kv_commit",
-        "jaxspec.kv_cache",
-        "jaxspec.model",
+        "jaxspec.model.kv_cache",
+        "jaxspec.model.transformer",
     ],
 )
 def test_each_module_imports_first(module):

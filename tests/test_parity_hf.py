@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.convert import convert, load
-from jaxspec.model import Model, abstract_model
+from jaxspec.io.convert import convert, load
+from jaxspec.model.transformer import Model, abstract_model
 from tests.hf_fixtures import (
     FAMILIES,
     VOCAB,

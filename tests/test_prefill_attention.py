@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec.model as jm
-from jaxspec.engines import common
+import jaxspec.model.transformer as jm
+from jaxspec.engines import base as common
 from jaxspec.errors import OptionError
-from jaxspec.kv_cache import init_cache
+from jaxspec.model.kv_cache import init_cache
 from pallas_kernels import decode_attention as D
 from pallas_kernels import dispatch
 from pallas_kernels import prefill_attention as P

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kv_cache import causal_block
-from jaxspec.tree import NO_SLOT
+from jaxspec.model.kv_cache import causal_block
+from jaxspec.spec.tree import NO_SLOT
 from pallas_kernels import rope_attention as R
 from tests.test_kernels import TOL, tree_masks
 
@@ -136,9 +136,9 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
     """JAXSPEC_FUSED_ATTENTION=interpret, with the residual stream padded as on a GPU:
     autoregressive, chain, tree and MagicDec decoding (decode steps, chain and tree verifies and
     the sparse drafts' steps take the kernel) give the plain path's greedy tokens, float32."""
-    import jaxspec.model as model_module
-    from jaxspec.engines import common
-    from jaxspec.generate import generate
+    import jaxspec.model.transformer as model_module
+    from jaxspec.api import generate
+    from jaxspec.engines import base as common
     from tests import tiny
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
@@ -184,8 +184,8 @@ def test_model_logits_with_the_fused_kernel(monkeypatch, padding):
     compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify.
     With the residual stream padded to 8 rows too (the GPU's setting), where the kernel takes
     the real rows of the padded projections."""
-    import jaxspec.model as model_module
-    from jaxspec.kv_cache import init_cache
+    import jaxspec.model.transformer as model_module
+    from jaxspec.model.kv_cache import init_cache
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
     m = tiny_model(4, changes)
@@ -230,8 +230,8 @@ def test_dispatch_modes(monkeypatch):
 
     from flax import nnx
 
-    import jaxspec.model as jm
-    from jaxspec import kernel_modes
+    import jaxspec.model.transformer as jm
+    from jaxspec import kernels as kernel_modes
     from jaxspec.errors import OptionError
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
@@ -261,10 +261,12 @@ def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch)
     over two (the kernel has no partitioning rule)."""
     import dataclasses
 
-    import jaxspec.model as jm
-    from jaxspec import kernel_modes, time_split
-    from jaxspec.engines import common, swiftspec
-    from jaxspec.sampling import Sampling
+    import jaxspec.model.transformer as jm
+    from jaxspec import kernels as kernel_modes
+    from jaxspec.engines import base as common
+    from jaxspec.engines.swiftspec import engine as swiftspec
+    from jaxspec.measure import time_split
+    from jaxspec.spec.sampling import Sampling
 
     changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
     m = tiny_model(0, changes)

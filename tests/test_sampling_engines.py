@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec import acceptance
+from jaxspec.api import generate
+from jaxspec.engines import base as common
 from jaxspec.engines import chain as chain_engine
-from jaxspec.engines import common
 from jaxspec.engines import tree as tree_engine
-from jaxspec.generate import generate
-from jaxspec.sampling import Sampling, probs
+from jaxspec.spec import acceptance
+from jaxspec.spec.sampling import Sampling, probs
 from tests import tiny
 
 V = 6

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.engines import swiftspec
+from jaxspec.api import generate
+from jaxspec.engines.swiftspec import engine as swiftspec
 from jaxspec.errors import DeviceError, OptionError, WorkerError
-from jaxspec.generate import generate
-from jaxspec.kv_cache import causal_block, init_cache
-from jaxspec.model import apply
+from jaxspec.model.kv_cache import causal_block, init_cache
+from jaxspec.model.transformer import apply
 from tests import tiny
 
 NEW = 20
@@ -255,7 +255,8 @@ def test_device_loop_gives_the_threaded_loops_tokens_and_acceptance():
 
 
 def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
-    from jaxspec.engines import common, swiftspec_device
+    from jaxspec.engines import base as common
+    from jaxspec.engines.swiftspec import device as swiftspec_device
 
     target, ps = target_and_prompts(7)
     draft = tiny.model(707, **CHANGES)
@@ -276,7 +277,7 @@ def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
 def test_device_loop_with_the_pallas_attention_kernel(monkeypatch):
     """The kernel (interpreted here; compiled on a GPU) inside the loop's shard_map, cond and
     while_loop, through its custom_partitioning wrapper: tokens still equal autoregressive."""
-    import jaxspec.model as model_module
+    import jaxspec.model.transformer as model_module
 
     changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
     target = tiny.model(1, **changes)
@@ -337,7 +338,7 @@ def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
         v = dataclasses.replace(v, done=jnp.zeros_like(v.done))
         return s, v, swiftspec.pack(v)
 
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     def forget():  # programs compiled with the real verify (or, after, with the stuck one)
         common._COMPILED.clear()
@@ -359,7 +360,7 @@ def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     import jaxspec
-    from jaxspec.default_model import default_checkpoint
+    from jaxspec.io.default_model import default_checkpoint
 
     return jaxspec.load(default_checkpoint(tmp_path_factory.mktemp("ck"), progress=False))
 

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import tree as T
-from jaxspec.acceptance import accept_tree_greedy, top_children
 from jaxspec.config import ModelConfig
-from jaxspec.kv_cache import causal_block, commit, init_cache
-from jaxspec.model import apply, new_model
+from jaxspec.model.kv_cache import causal_block, commit, init_cache
+from jaxspec.model.transformer import apply, new_model
+from jaxspec.spec import tree as T
+from jaxspec.spec.acceptance import accept_tree_greedy, top_children
 
 # ------------------------------------------------------------------------------------------------
 # The hand-built tree (capacity 10), row 0:

@@ -5,8 +5,8 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
+from jaxspec.api import generate
 from jaxspec.errors import CheckpointError, DraftError, JaxspecError, OptionError, PromptError
-from jaxspec.generate import generate
 from tests import hf_fixtures, tiny
 
 
@@ -139,7 +139,8 @@ def test_the_public_api_is_importable_from_the_package(model):
 
 
 @pytest.mark.parametrize(
-    "module, name", [("jaxspec.model", "FUSED_IMPL"), ("jaxspec.kv_cache", "FUSED_COMMIT")]
+    "module, name",
+    [("jaxspec.model.transformer", "FUSED_IMPL"), ("jaxspec.model.kv_cache", "FUSED_COMMIT")],
 )
 def test_cli_bad_kernel_switch_exits_2(ckpt, module, name, monkeypatch, capsys):
     """JAXSPEC_FUSED_LINEAR=fast (read at import, checked when a program is traced) is an
@@ -148,7 +149,7 @@ def test_cli_bad_kernel_switch_exits_2(ckpt, module, name, monkeypatch, capsys):
 
     import jax
 
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     monkeypatch.setattr(importlib.import_module(module), name, "fast")
     common._COMPILED.clear()  # a cached program would not trace again

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.model import Model, new_model
+from jaxspec.model.transformer import Model, new_model
 
 CFG = ModelConfig(
     vocab_size=67,

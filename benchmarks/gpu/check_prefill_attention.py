@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.attention import attend
 from pallas_kernels.prefill_attention import prefill_attention
+from pallas_kernels.reference import attend
 from tests.test_kernels import TOL, make_inputs
 from tests.test_prefill_attention import causal_masks, with_mask
 

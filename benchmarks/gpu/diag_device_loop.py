@@ -77,7 +77,7 @@ def cond_test() -> dict:
 
 def build_models():
     from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
-    from jaxspec.model import new_model
+    from jaxspec.model.transformer import new_model
 
     smoke = os.environ.get("DIAG_SMOKE") == "1"
     tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if smoke else (LLAMA3_8B, LLAMA32_1B)
@@ -92,7 +92,7 @@ def build_models():
 
 
 def run_loop(target, draft, prompt, loop="device", d=2):
-    from jaxspec.generate import generate
+    from jaxspec.api import generate
 
     return generate(
         target, [prompt], draft=draft, method="swiftspec", target_devices=1, draft_devices=1,
@@ -108,7 +108,7 @@ def trace_part(out_dir: str) -> dict:
 
 def trace_loop(out_dir: str, target, draft, prompt, loop: str) -> dict:
     from benchmarks import trace_gaps
-    from jaxspec.engines import common
+    from jaxspec.engines import base as common
 
     run_loop(target, draft, prompt, loop=loop)
     r = run_loop(target, draft, prompt, loop=loop)

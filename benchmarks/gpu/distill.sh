@@ -40,7 +40,7 @@ if ! $PY -c "import gguf" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     --target ~/site .whl/*.whl
 fi
 echo "== convert the default model (once)"
-timeout 120 $PY -c "from jaxspec.default_model import default_checkpoint as d; print(d())" \
+timeout 120 $PY -c "from jaxspec.io.default_model import default_checkpoint as d; print(d())" \
   2>&1 | tail -2
 
 echo "== distill (budget ${DISTILL_BUDGET} s, data <= ${GEN_BUDGET} s)"

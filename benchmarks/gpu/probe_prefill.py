@@ -1,9 +1,10 @@
 """Prefill time of a model shape (random bf16 weights) by attention path and chunk (issue 10).
 
-The engines' own ``prefill`` (``jaxspec.engines.common``) in one jit with the cache donated, for
-each context, prefill chunk and attention implementation (``jaxspec.model.ATTENTION_IMPL``:
-'reference' is the jnp path, 'auto' the Pallas kernels: the flash kernel for chunks wider than
-64 tokens). Prints one JSON row per setting and writes them all to ``--out``.
+The engines' own ``prefill`` (``jaxspec.engines.base``) in one jit with the cache donated, for
+each context, prefill chunk and attention implementation
+(``jaxspec.model.transformer.ATTENTION_IMPL``: 'reference' is the jnp path, 'auto' the Pallas
+kernels: the flash kernel for chunks wider than 64 tokens). Prints one JSON row per setting and
+writes them all to ``--out``.
 
     python benchmarks/gpu/probe_prefill.py --contexts 1024,4096 --chunks 256,1024,4096 \\
         --impls reference,auto --out prefill.json
@@ -21,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxspec.model as jm
+import jaxspec.model.transformer as jm
 from benchmarks.bench_decode_gpu import SHAPES
 from benchmarks.common import metadata
-from jaxspec.engines.common import prefill
-from jaxspec.kv_cache import init_cache
+from jaxspec.engines.base import prefill
+from jaxspec.model.kv_cache import init_cache
 
 
 def time_prefill(model, context: int, chunk: int, batch: int, reps: int) -> dict:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from benchmarks.bench_decode_gpu import kernel_count, make_loop
 from benchmarks.shapes import SMOLLM2_135M
-from jaxspec.kv_cache import KVCache, init_cache
-from jaxspec.model import new_model
+from jaxspec.model.kv_cache import KVCache, init_cache
+from jaxspec.model.transformer import new_model
 
 
 def gpu_events(trace_dir: str):

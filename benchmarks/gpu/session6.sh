@@ -82,7 +82,7 @@ case "${1:?call 1 to 8}" in
 5)
   python3 - <<'PY'
 import jax, jax.numpy as jnp
-from jaxspec.attention import attend  # (jaxspec first: it imports the kernels)
+from pallas_kernels.reference import attend  # (jaxspec first: it imports the kernels)
 from pallas_kernels.decode_attention import decode_attention, plan
 for b, s, t in ((1, 1000, 1), (1, 4000, 1), (128, 500, 1), (8, 2000, 7), (4, 333, 1)):
     ks = jax.random.split(jax.random.key(b * s + t), 3)

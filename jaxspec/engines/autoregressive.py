@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import execute, is_eos, loop_chunk, prefill, until_done
-from jaxspec.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model import apply
+from jaxspec.engines.base import execute, is_eos, loop_chunk, prefill, until_done
+from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
+from jaxspec.model.transformer import apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import Sampling, sample
+from jaxspec.spec.sampling import Sampling, sample
 
 # decode steps per check of the stop condition on GPU (``common.until_done``)
 GPU_CHUNK = 8

@@ -10,10 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec import drafts
-from jaxspec.acceptance import accept_chain, accept_chain_greedy
 from jaxspec.config import ModelConfig
-from jaxspec.engines.common import (
+from jaxspec.engines.base import (
     execute,
     is_eos,
     prefill,
@@ -22,10 +20,12 @@ from jaxspec.engines.common import (
     until_done,
 )
 from jaxspec.engines.options import positive_int, reject_unknown
-from jaxspec.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model import apply
+from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
+from jaxspec.model.transformer import apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import Sampling, probs, sample
+from jaxspec.spec import drafts
+from jaxspec.spec.acceptance import accept_chain, accept_chain_greedy
+from jaxspec.spec.sampling import Sampling, probs, sample
 
 
 @pytree_dataclass

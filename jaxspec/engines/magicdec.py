@@ -9,8 +9,8 @@ with either cache (``sparse="streaming" | "snapkv"``; ``"dense"`` keeps its full
 
 The decoding loop is the chain engine's (``chain.decode``: the whole loop on device, ragged
 per-row acceptance, EOS per row); this module picks the draft and gamma. ``gamma="auto"`` (the
-default) measures T_T, T_D, T_V(gamma) and alpha on this machine (jaxspec.cost_model) once per
-(models, batch, prefix bucket) and takes the gamma the cost model predicts fastest.
+default) measures T_T, T_D, T_V(gamma) and alpha on this machine (jaxspec.measure.cost_model) once
+per (models, batch, prefix bucket) and takes the gamma the cost model predicts fastest.
 
 Batched trees (beyond MagicDec, which is chain-only): ``shape="tree"`` verifies a batch of token
 trees instead (the tree engine's loop, ``tree.decode``: best-first growth by the same sparse-KV
@@ -26,11 +26,12 @@ import dataclasses
 
 import jax
 
-from jaxspec import cost_model, drafts, tree_drafts
 from jaxspec.engines import chain, tree
-from jaxspec.engines.common import execute, spec_chunk, speculative_stats
+from jaxspec.engines.base import execute, spec_chunk, speculative_stats
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.errors import DraftError, OptionError
+from jaxspec.measure import cost_model
+from jaxspec.spec import drafts, tree_drafts
 
 TREE_OPTIONS = ("depth", "width", "branch", "bs")
 OPTIONS = ("gamma", "shape", "budget", "sinks", "window", "obs", "pool", "sparse", *TREE_OPTIONS)
@@ -43,7 +44,7 @@ _MEASURED: dict = {}
 def resolve_draft(target, draft, *, sparse=None, **budget):
     """(draft object, its params) for MagicDec: a sparse-KV self draft, or a draft Model with a
     sparse (default "streaming") or "dense" cache."""
-    from jaxspec.model import Model
+    from jaxspec.model.transformer import Model
 
     if draft == "ngram":
         raise DraftError(
@@ -230,7 +231,7 @@ def profile(
     predicted speedup per gamma, the tree's terms when ``tree_shape`` is given, and the chosen
     shape and gamma. ``prompts(batch, prefix)`` gives the token-id prompts alpha is measured on
     (default: random tokens). ``progress(row)`` is called after each (batch, prefix)."""
-    from jaxspec.engines.common import pad_prompts
+    from jaxspec.engines.base import pad_prompts
 
     gammas = tuple(sorted(set(GAMMAS if gammas is None else gammas)))
     d, dparams = resolve_draft(target, draft, **draft_options)

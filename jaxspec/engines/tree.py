@@ -12,11 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec import drafts, tree_drafts
-from jaxspec import tree as T
-from jaxspec.acceptance import accept_tree, accept_tree_greedy
-from jaxspec.engines.chain import emit
-from jaxspec.engines.common import (
+from jaxspec.engines.base import (
     execute,
     is_eos,
     prefill,
@@ -24,11 +20,15 @@ from jaxspec.engines.common import (
     speculative_stats,
     until_done,
 )
+from jaxspec.engines.chain import emit
 from jaxspec.engines.options import positive_int, reject_unknown
-from jaxspec.kv_cache import KVCache, commit, init_cache
-from jaxspec.model import apply
+from jaxspec.model.kv_cache import KVCache, commit, init_cache
+from jaxspec.model.transformer import apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import Sampling, probs, sample
+from jaxspec.spec import drafts, tree_drafts
+from jaxspec.spec import tree as T
+from jaxspec.spec.acceptance import accept_tree, accept_tree_greedy
+from jaxspec.spec.sampling import Sampling, probs, sample
 
 
 @dataclasses.dataclass(frozen=True)

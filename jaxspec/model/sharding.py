@@ -93,7 +93,7 @@ def partition_spec(path: tuple, ndim: int) -> PartitionSpec:
 
 def _layout(cfg: ModelConfig) -> dict:
     """Nested dict (as ``hf_to_tree`` / ``nnx.to_pure_dict``) of parameter ranks."""
-    from jaxspec.weights import expected_shapes
+    from jaxspec.io.weights import expected_shapes
 
     tree: dict = {}
     for path, shape in expected_shapes(cfg).items():

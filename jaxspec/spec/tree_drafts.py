@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec import tree as T
-from jaxspec.acceptance import top_children
 from jaxspec.config import ModelConfig
-from jaxspec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
-from jaxspec.kv_cache import Block, KVCache, commit
-from jaxspec.model import apply
+from jaxspec.model.kv_cache import Block, KVCache, commit
+from jaxspec.model.transformer import apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import Sampling
+from jaxspec.spec import tree as T
+from jaxspec.spec.acceptance import top_children
+from jaxspec.spec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
+from jaxspec.spec.sampling import Sampling
 
 
 @pytree_dataclass
@@ -208,7 +208,7 @@ class NgramTreeDraft:
 
 def resolve(target, draft, *, capacity: int, budget: int = 256, sinks: int = 4, ngram: int = 3):
     """``draft=`` -> (tree draft, params), reusing the chain drafts' checks."""
-    from jaxspec import drafts
+    from jaxspec.spec import drafts
 
     d, params = drafts.resolve(target, draft, "tree", budget=budget, sinks=sinks, ngram=ngram)
     if isinstance(d, NgramDraft):

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.kv_cache import Block
+from jaxspec.model.kv_cache import Block
 from jaxspec.pytree import pytree_dataclass
 
 NO_SLOT = jnp.iinfo(jnp.int32).max  # a slot past any capacity: the K/V are not written

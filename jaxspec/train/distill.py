@@ -10,7 +10,7 @@ embedding), and ``load_draft`` with another target raises ``DraftError``.
 Recipe (``distill``):
 
 1. **Data**: the target itself writes the text. Real prompts (``data``: dataset names from
-   ``jaxspec.datasets``; sets of user turns get the chat template; ``NAME@chat`` / ``NAME@raw``
+   ``jaxspec.io.datasets``; sets of user turns get the chat template; ``NAME@chat`` / ``NAME@raw``
    force it) are decoded by the target's own batched autoregressive engine: one greedy
    continuation per prompt, then ``samples`` passes at ``temperature``. The first
    ``HOLDOUT["humaneval"] = 20`` HumanEval prompts, the ones the benchmarks measure, are **never**
@@ -38,8 +38,8 @@ Recipe (``distill``):
 
 ``load_draft(path, target)`` returns the ``Model`` to pass as ``draft=`` to every engine.
 
-This module holds the recipe and the training loop; ``jaxspec.distill_data`` the data stage and
-``jaxspec.draft_checkpoint`` the draft format, fingerprint and loader (re-exported here).
+This module holds the recipe and the training loop; ``jaxspec.train.data`` the data stage and
+``jaxspec.io.draft_checkpoint`` the draft format, fingerprint and loader (re-exported here).
 """
 
 from __future__ import annotations
@@ -57,18 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The draft format and its loader, and the data stage, live beside this module; their public
-# names are re-exported here.
-from jaxspec.distill_data import (  # noqa: F401
-    HOLDOUT,
-    DataSpec,
-    _batch,
-    _load_data,
-    _spec_json,
-    _windows,
-    generate_data,
-)
-from jaxspec.draft_checkpoint import (  # noqa: F401
+from jaxspec.errors import CheckpointError, DraftError, OptionError
+from jaxspec.io.draft_checkpoint import (  # noqa: F401
     FORMAT,
     SHARED,
     SHIPPED,
@@ -90,8 +80,19 @@ from jaxspec.draft_checkpoint import (  # noqa: F401
     load_draft,
     shipped_draft,
 )
-from jaxspec.errors import CheckpointError, DraftError, OptionError
-from jaxspec.model import Model, full_logits
+from jaxspec.model.transformer import Model, full_logits
+
+# The draft format and its loader, and the data stage, live beside this module; their public
+# names are re-exported here.
+from jaxspec.train.data import (  # noqa: F401
+    HOLDOUT,
+    DataSpec,
+    _batch,
+    _load_data,
+    _spec_json,
+    _windows,
+    generate_data,
+)
 
 # ------------------------------------------------------------------------------ options
 
@@ -195,7 +196,7 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
 
 def init_draft(target: Model, recipe: Recipe) -> dict:
     """The draft's trainable weights (float32 pure dict): copied target layers or random."""
-    from jaxspec.model import new_model
+    from jaxspec.model.transformer import new_model
 
     cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
     if recipe.init == "random":
@@ -235,7 +236,7 @@ def init_draft(target: Model, recipe: Recipe) -> dict:
 @contextlib.contextmanager
 def _reference_attention():
     """Trace with the pure-jnp attention: it has a gradient (the Pallas kernel does not)."""
-    from jaxspec import model as model_mod
+    from jaxspec.model import transformer as model_mod
 
     old = model_mod.ATTENTION_IMPL
     model_mod.ATTENTION_IMPL = "reference"
@@ -337,7 +338,7 @@ def _checkpoint_manager(path: pathlib.Path):
 
 
 def _state_tree(train, opt_state, step, position, total) -> dict:
-    from jaxspec.convert import _str_keys
+    from jaxspec.io.convert import _str_keys
 
     return {
         "params": _str_keys(train),
@@ -392,7 +393,7 @@ def distill(
         raise OptionError(f"until_step must be a positive integer, got {until_step!r}.")
     if not isinstance(save_every, int) or save_every < 1:
         raise OptionError(f"save_every must be a positive integer, got {save_every!r}.")
-    from jaxspec.convert import _np_dtype
+    from jaxspec.io.convert import _np_dtype
 
     store_dtype = _np_dtype(dtype)
     out = pathlib.Path(out).expanduser().absolute()
@@ -481,7 +482,7 @@ def distill(
         )
 
     # ---- model, optimizer, state
-    from jaxspec.model import abstract_model
+    from jaxspec.model.transformer import abstract_model
 
     dcfg = draft_config(target.config, recipe.layers, recipe.intermediate)
     dgraph = abstract_model(dcfg, target.dtype)[0]
@@ -492,7 +493,7 @@ def distill(
     if latest is not None:
         import orbax.checkpoint as ocp
 
-        from jaxspec.convert import _int_keys
+        from jaxspec.io.convert import _int_keys
 
         train0 = init_draft_shapes(target, recipe)
         opt0 = opt.init(train0)
@@ -612,7 +613,7 @@ def distill(
 def init_draft_shapes(target: Model, recipe: Recipe) -> dict:
     """Abstract float32 shapes of the trainable weights (no compute)."""
     cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
-    from jaxspec.model import abstract_model
+    from jaxspec.model.transformer import abstract_model
 
     _, st = abstract_model(cfg, jnp.float32)
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), _trainable(_pure(st)))

@@ -42,17 +42,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec import tree as T
-from jaxspec import tree_drafts
-from jaxspec.drafts import Prefill
-from jaxspec.engines.common import is_eos, prefill
+from jaxspec.engines.base import is_eos, prefill
 from jaxspec.engines.options import positive_int, reject_unknown
 from jaxspec.engines.tree import TreeShape, verify_and_commit
 from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
-from jaxspec.kv_cache import KVCache, init_cache
-from jaxspec.model import Model
+from jaxspec.model.kv_cache import KVCache, init_cache
+from jaxspec.model.transformer import Model
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import sample
+from jaxspec.spec import tree as T
+from jaxspec.spec import tree_drafts
+from jaxspec.spec.drafts import Prefill
+from jaxspec.spec.sampling import sample
 
 
 @pytree_dataclass
@@ -247,7 +247,7 @@ def draft_next(
 
 def split_devices(target_cfg, draft_cfg, x: int | None, y: int | None) -> tuple[list, list]:
     """Devices [0, x) for the target and [x, x + y) for the draft; a default fills None."""
-    from jaxspec.sharding import valid_tp_degrees
+    from jaxspec.model.sharding import valid_tp_degrees
 
     devices = jax.devices()
     if len(devices) < 2:
@@ -272,7 +272,7 @@ def split_devices(target_cfg, draft_cfg, x: int | None, y: int | None) -> tuple[
 
 def place(params, cfg, devices):
     """Parameters onto a 1-D tensor-parallel mesh over ``devices``; returns (params, mesh)."""
-    from jaxspec.sharding import TP, param_specs
+    from jaxspec.model.sharding import TP, param_specs
 
     mesh = jax.make_mesh(
         (len(devices),), (TP,), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
@@ -339,7 +339,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     profiled = None
     if depth is None or x is None or y is None:
         # SwiftSpec's profile: measured workers pick what the options leave open
-        from jaxspec import profiler
+        from jaxspec.measure import split as profiler
 
         if x is None and y is None:
             profiled = profiler.cached_profile(
@@ -390,7 +390,7 @@ def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **op
     stats = dict(
         verify_steps=0, draft_expansions=0, expansions_in_flight=0, handoff_s=0.0, compile_s=0.0
     )
-    from jaxspec.engines import swiftspec_threads as threads
+    from jaxspec.engines.swiftspec import threads
 
     run_worker = functools.partial(threads.worker, stats, {})
     pace = threads.Pace(profiled.t_verify_ms / 1e3, profiled.t_draft_ms / 1e3) if profiled else None
@@ -476,7 +476,8 @@ def _device_loop(stats, tdev, ddev, tflat, dflat, ids, lens, key, *, bs, d, **kw
     (``swiftspec_device``), prefill included. Its setup (``setup_s``: the compile, once per
     shape, and the copy of each worker's weights to the other device, kept for the next call)
     is not in ``wall_s``, as compiles never are."""
-    from jaxspec.engines import swiftspec_device, swiftspec_threads
+    from jaxspec.engines.swiftspec import device as swiftspec_device
+    from jaxspec.engines.swiftspec import threads as swiftspec_threads
 
     pkw, ikw, gkw = kw["prefill_kw"], kw["init_kw"], kw["grow_kw"]
     # the layouts of what crosses: a snapshot (draft -> target) and a verdict (target -> draft)
@@ -515,7 +516,7 @@ def _threaded_loop(
     max_extra, pace, observe,
 ):  # fmt: skip
     """``loop="threads"``: one host thread per worker (``swiftspec_threads.ThreadLoop``)."""
-    from jaxspec.engines.swiftspec_threads import Pace, ThreadLoop
+    from jaxspec.engines.swiftspec.threads import Pace, ThreadLoop
 
     loop = ThreadLoop(
         stats=stats,

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.kernel_modes import fused_kernels_for
-from jaxspec.kv_cache import KVCache, causal_block
-from jaxspec.model import apply
+from jaxspec.kernels import fused_kernels_for
+from jaxspec.model.kv_cache import KVCache, causal_block
+from jaxspec.model.transformer import apply
 
 # Prompt tokens per row and prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK off GPU. On a
 # GPU the chunk's attention is the flash kernel (pallas_kernels/prefill_attention.py), and wider

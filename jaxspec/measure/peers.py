@@ -9,12 +9,12 @@
   kinds have no HF counterpart: the row says so (``skipped``) instead of failing the run.
 
 Both models are exported from jaxspec's own parameters (``hf_export.to_hf``), so a difference in
-tokens (``jaxspec.bench`` compares them with the reference run's) is a difference in arithmetic,
-not in weights. Peers run one prompt at a time (HF's assisted generation takes batch 1 only), on
-the GPU when jax runs on one and torch sees CUDA, else on the CPU with torch's thread count
-(recorded as ``threads``; ``OMP_NUM_THREADS`` sets it: on a CPU shared with other work one thread
-can be many times faster than two), in the target's dtype. One warm-up ``generate`` is excluded
-from the timings. Acceptance length here is new tokens per forward of the target.
+tokens (``jaxspec.measure.bench`` compares them with the reference run's) is a difference in
+arithmetic, not in weights. Peers run one prompt at a time (HF's assisted generation takes batch 1
+only), on the GPU when jax runs on one and torch sees CUDA, else on the CPU with torch's thread
+count (recorded as ``threads``; ``OMP_NUM_THREADS`` sets it: on a CPU shared with other work one
+thread can be many times faster than two), in the target's dtype. One warm-up ``generate`` is
+excluded from the timings. Acceptance length here is new tokens per forward of the target.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ def run_peer(
         return _skipped(name, draft_name, "torch is not installed (pip install torch)")
     import jax
 
-    from jaxspec.model import Model
+    from jaxspec.model.transformer import Model
 
     if name == "hf-assisted" and not isinstance(draft, Model) and draft != "ngram":
         return _skipped(
             name, draft_name, f"HF has no assisted-generation counterpart of the {draft!r} draft"
         )
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-    from jaxspec import hf_export
+    from jaxspec.io import hf_export
 
     if "target" not in cache:
         cache["target"] = hf_export.to_hf(target, device=device)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.kernel_modes import traced_for_layout
+from jaxspec.kernels import traced_for_layout
 from jaxspec.timing import loop_ms, repeat
 
 
@@ -251,10 +251,10 @@ def measure(
     random prompts).
 
     ``draft``: a resolved draft object with ``dparams``, or anything ``drafts.resolve`` takes."""
-    from jaxspec import drafts
     from jaxspec.engines import autoregressive, chain
-    from jaxspec.engines.common import execute
-    from jaxspec.sampling import Sampling
+    from jaxspec.engines.base import execute
+    from jaxspec.spec import drafts
+    from jaxspec.spec.sampling import Sampling
 
     if not hasattr(draft, "propose"):
         draft, dparams = drafts.resolve(target, draft, "magicdec")
@@ -420,10 +420,10 @@ def measure_tree(
 
     ``draft``: a tree draft (``tree_drafts.ModelTreeDraft``) with ``dparams``; ``shape``: a
     ``engines.tree.TreeShape``."""
-    from jaxspec import tree as T
     from jaxspec.engines import tree as tree_engine
-    from jaxspec.engines.common import execute
-    from jaxspec.sampling import Sampling
+    from jaxspec.engines.base import execute
+    from jaxspec.spec import tree as T
+    from jaxspec.spec.sampling import Sampling
 
     cfg, graphdef, tparams = target.config, target.graphdef, target.params
     greedy = Sampling(0.0, 1.0, 0)

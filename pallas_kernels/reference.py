@@ -1,5 +1,6 @@
-"""Attention over a KVCache block spec: the pure-jnp reference every kernel is checked against,
-and the rotary embedding the model and the fused kernel's reference apply."""
+"""The pure-jnp references every attention kernel is checked against: rotary embedding, the
+visibility of cache slots implied by (prefix length, block mask), the cache scatter and
+grouped-query attention over a cache block. jaxspec's plain path runs these same functions."""
 
 from __future__ import annotations
 
@@ -7,7 +8,27 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.kv_cache import visible
+
+def scatter_rows(
+    cache_k: Float[Array, "b s kh hd"], new: Float[Array, "b t kh hd"], slots: Int[Array, "b t"]
+) -> Float[Array, "b s kh hd"]:
+    """Scatter this block's K or V into its slots; slots past the capacity are dropped."""
+    rows = jnp.arange(cache_k.shape[0])[:, None]
+    return cache_k.at[rows, slots].set(new.astype(cache_k.dtype), mode="drop")
+
+
+def visible(
+    length: Int[Array, " b"], block_mask: Bool[Array, "b t n"], s: int
+) -> Bool[Array, "b t s"]:
+    """The full ``[B, T, S]`` visibility of cache slots implied by (length, block_mask)."""
+    n = block_mask.shape[-1]
+    slot = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    rel = slot - length[:, None, None]
+    in_block = (rel >= 0) & (rel < n)
+    from_block = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, n - 1), block_mask.shape[:2] + (s,)), axis=2
+    )
+    return (rel < 0) | (in_block & from_block)
 
 
 def apply_rope(x: Float[Array, "b t h hd"], cos, sin) -> Float[Array, "b t h hd"]:

@@ -1,4 +1,4 @@
-"""``jaxspec.generate``: one entry point over every decoding method."""
+"""``jaxspec.api``: one entry point over every decoding method."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import importlib
 
 import numpy as np
 
-from jaxspec.engines.common import GenerationResult, pad_prompts, trim
+from jaxspec.engines.base import GenerationResult, pad_prompts, trim
 from jaxspec.errors import JaxspecError, OptionError
-from jaxspec.model import Model
+from jaxspec.model.transformer import Model
 from jaxspec.prompts import check_context, encode_prompts
-from jaxspec.sampling import Sampling
+from jaxspec.spec.sampling import Sampling
 
 METHODS = ("autoregressive", "chain", "tree", "swiftspec", "magicdec")
 

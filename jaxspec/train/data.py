@@ -1,6 +1,6 @@
-"""Distillation data: the target writes the text it will teach from (``jaxspec.distill``).
+"""Distillation data: the target writes the text it will teach from (``jaxspec.train.distill``).
 
-Real prompts (``jaxspec.datasets``) decoded by the target's own batched autoregressive engine
+Real prompts (``jaxspec.io.datasets``) decoded by the target's own batched autoregressive engine
 (one greedy continuation, then sampled passes), documents concatenated and cut into windows;
 the first ``HOLDOUT`` prompts of a set (the ones the benchmarks measure) are never used.
 """
@@ -17,9 +17,9 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.draft_checkpoint import _fresh_dir, _read_json, _replace
 from jaxspec.errors import CheckpointError, OptionError
-from jaxspec.model import Model
+from jaxspec.io.draft_checkpoint import _fresh_dir, _read_json, _replace
+from jaxspec.model.transformer import Model
 
 HOLDOUT = {"humaneval": 20}  # prompts the benchmarks use: never trained on
 
@@ -39,7 +39,7 @@ class DataSpec:
 
 def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
     """(name as given, dataset name, chat template?) per source."""
-    from jaxspec import datasets
+    from jaxspec.io import datasets
 
     is_chat = getattr(datasets, "chat_template", lambda n: n == "chat")
     out = []
@@ -53,7 +53,7 @@ def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
 
 def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]], dict]:
     """Token ids of every training prompt, and a description of where they came from."""
-    from jaxspec import datasets
+    from jaxspec.io import datasets
     from jaxspec.prompts import encode_prompts
 
     if prompts is not None:
@@ -83,7 +83,7 @@ def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]
 def _width(n: int, batch: int) -> int:
     """The padded prompt width ``pad_prompts`` would pick for ``batch`` rows: past one prefill
     chunk the width is a multiple of it."""
-    from jaxspec.engines.common import prefill_chunk
+    from jaxspec.engines.base import prefill_chunk
 
     chunk = prefill_chunk(batch)
     m = 16 if n <= chunk else chunk
@@ -94,8 +94,8 @@ def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSp
     """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
     padded to a fixed width so every batch reuses one compilation."""
     from jaxspec.engines import autoregressive
-    from jaxspec.engines.common import trim
-    from jaxspec.sampling import Sampling
+    from jaxspec.engines.base import trim
+    from jaxspec.spec.sampling import Sampling
 
     b = spec.gen_batch
     real = len(rows)

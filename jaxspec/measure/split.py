@@ -16,8 +16,8 @@ import dataclasses
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec.engines.common import compiled, pad_prompts
-from jaxspec.sampling import Sampling
+from jaxspec.engines.base import compiled, pad_prompts
+from jaxspec.spec.sampling import Sampling
 from jaxspec.timing import median_ms
 
 
@@ -39,9 +39,9 @@ def measure(
     target, draft, prompt: list[int], split: tuple[int, int], *, width=8, branch=4, bs=8, reps=10
 ) -> Profile:
     """Time the SwiftSpec workers for one split (devices [0, x) and [x, x + y))."""
-    from jaxspec import tree_drafts
-    from jaxspec.engines import swiftspec as sw
+    from jaxspec.engines.swiftspec import engine as sw
     from jaxspec.engines.tree import TreeShape
+    from jaxspec.spec import tree_drafts
 
     x, y = split
     devices = jax.devices()
@@ -112,7 +112,7 @@ def measure(
 
 def splits(target_cfg, draft_cfg, n_devices: int) -> list[tuple[int, int]]:
     """Every (x, y) with x + y <= n whose degrees divide both models' split dimensions."""
-    from jaxspec.sharding import valid_tp_degrees
+    from jaxspec.model.sharding import valid_tp_degrees
 
     tx = valid_tp_degrees(target_cfg, limit=n_devices - 1)
     out = []

@@ -27,8 +27,8 @@ of a host call cancels out and compilation happens in the untimed warm-up); each
 computes alive (tokens summed into the state) so XLA can neither drop the LM head nor hoist a
 prompt lookup out of the loop. The prefill is one call of the engine's ``init_state``, compiled
 ahead of time, on flat parameter leaves. Medians over ``reps``. SwiftSpec's units come from its
-own profile (``jaxspec.profiler``: one verify, one draft expansion; the engine's when it profiled
-itself).
+own profile (``jaxspec.measure.split``: one verify, one draft expansion; the engine's when it
+profiled itself).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernel_modes import traced_for_layout
+from jaxspec.kernels import traced_for_layout
 from jaxspec.timing import loop_ms, median_ms
 
 PARTS = ("draft", "verify", "handoff", "prefill", "host")
@@ -221,8 +221,8 @@ def _keep_alive(dstate, acc):
     hands back unchanged, which the compiler would otherwise hoist out of the timing loop (timed
     as nothing). The value lands in the history's last slot, past every row's length until the
     very end, so the lookup itself is unchanged."""
-    from jaxspec.drafts import NgramState
-    from jaxspec.tree_drafts import NgramTreeState
+    from jaxspec.spec.drafts import NgramState
+    from jaxspec.spec.tree_drafts import NgramTreeState
 
     if isinstance(dstate, NgramState):
         return NgramState(dstate.hist.at[:, -1].set(acc), dstate.hlen)
@@ -280,12 +280,12 @@ def measure(target, method, draft, ids, lens, stats, *, max_new, options, sampli
     if method == "autoregressive":
         u = _autoregressive(target, ids, lens, **common)
     elif method == "chain":
-        from jaxspec import drafts
+        from jaxspec.spec import drafts
 
         d, dparams = drafts.resolve(target, draft, "chain", **pick("budget", "sinks", "ngram"))
         u = _chain(target, d, dparams, ids, lens, stats["gamma"], **common)
     elif method == "tree":
-        from jaxspec import tree_drafts
+        from jaxspec.spec import tree_drafts
 
         shape = TreeShape(**{k: stats[k] for k in ("depth", "width", "branch", "bs")})
         extra = pick("budget", "sinks", "ngram")
@@ -317,7 +317,7 @@ def _units(**kw) -> Units:
 
 
 def _autoregressive(target, ids, lens, *, max_new, sampling, eos, shift, reps):
-    from jaxspec.cost_model import ar_step, looped
+    from jaxspec.measure.cost_model import ar_step, looped
 
     tflat, tptree = jax.tree.flatten(target.params)
     args = (tflat, ids, lens, jax.random.key(0))
@@ -347,7 +347,7 @@ def _autoregressive(target, ids, lens, *, max_new, sampling, eos, shift, reps):
 
 
 def _chain(target, d, dparams, ids, lens, gamma, *, max_new, sampling, eos, shift, reps):
-    from jaxspec.cost_model import looped, verify_step
+    from jaxspec.measure.cost_model import looped, verify_step
 
     tflat, tptree = jax.tree.flatten(target.params)
     dflat, dptree = jax.tree.flatten(dparams)
@@ -403,8 +403,8 @@ def _chain(target, d, dparams, ids, lens, gamma, *, max_new, sampling, eos, shif
 
 
 def _tree_units(target, d, dparams, ids, lens, shape, *, max_new, sampling, eos, shift, reps):
-    from jaxspec import tree as T
-    from jaxspec.cost_model import looped, tree_verify_step
+    from jaxspec.measure.cost_model import looped, tree_verify_step
+    from jaxspec.spec import tree as T
 
     tflat, tptree = jax.tree.flatten(target.params)
     dflat, dptree = jax.tree.flatten(dparams)
@@ -461,7 +461,7 @@ def _swiftspec(target, draft, ids, lens, stats, *, reps):
     """SwiftSpec's own profile: the engine's when it profiled itself, else one for this split."""
     p = stats.get("profiled")
     if p is None:
-        from jaxspec import profiler
+        from jaxspec.measure import split as profiler
 
         prompt = [int(t) for t in ids[0, : int(lens[0])]]
         split = (stats["target_devices"], stats["draft_devices"])

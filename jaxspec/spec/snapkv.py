@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.kv_cache import KVCache, causal_block
-from jaxspec.model import apply_rope, rope_tables
+from jaxspec.model.kv_cache import KVCache, causal_block
+from jaxspec.model.transformer import apply_rope, rope_tables
 
 
 def window_block_start(lens: Int[Array, " b"], obs: int) -> Int[Array, " b"]:

@@ -3,7 +3,7 @@
 A draft folder holds ``draft.json`` (format, config, the target's fingerprint, the training
 record) and ``params/`` (Orbax): only the draft's own layers. The target's embedding (and LM
 head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
-Written by ``jaxspec.distill``.
+Written by ``jaxspec.train.distill``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
-from jaxspec.model import Model
+from jaxspec.model.transformer import Model
 
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "drafts" / "smollm2-135m-instruct-draft"
 PathLike = str | os.PathLike
 
@@ -111,7 +111,7 @@ def _shared_of(target: Model) -> dict:
 
 
 def _draft_model(target: Model, cfg: ModelConfig, trainable: dict, name: str) -> Model:
-    from jaxspec.model import abstract_model
+    from jaxspec.model.transformer import abstract_model
 
     dtype = target.dtype
     graphdef, state = abstract_model(cfg, dtype)
@@ -134,7 +134,7 @@ def _draft_dir(path: pathlib.Path) -> pathlib.Path:
         return path / "draft"
     raise CheckpointError(
         f"no distilled draft at {path} (no draft.json); create one with `jaxspec distill "
-        f"--out {path}` or jaxspec.distill.distill(target, {str(path)!r})."
+        f"--out {path}` or jaxspec.train.distill.distill(target, {str(path)!r})."
     )
 
 
@@ -150,8 +150,8 @@ def load_draft(path: PathLike, target: Model) -> Model:
     target, ``CheckpointError`` when the files are missing or corrupt."""
     import orbax.checkpoint as ocp
 
-    from jaxspec.convert import _int_keys, _str_keys
-    from jaxspec.model import abstract_model
+    from jaxspec.io.convert import _int_keys, _str_keys
+    from jaxspec.model.transformer import abstract_model
 
     if not isinstance(target, Model):
         raise OptionError(
@@ -218,8 +218,8 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
     """``draft.json`` + ``params/`` (only the draft's own weights), atomically."""
     import orbax.checkpoint as ocp
 
-    from jaxspec.bench import metadata
-    from jaxspec.convert import _str_keys
+    from jaxspec.io.convert import _str_keys
+    from jaxspec.measure.bench import metadata
 
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
@@ -247,13 +247,13 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
 
 
 def _fresh_dir(dst: pathlib.Path) -> pathlib.Path:
-    from jaxspec.convert import _fresh_dir as fresh
+    from jaxspec.io.convert import _fresh_dir as fresh
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     return fresh(dst, "tmp")
 
 
 def _replace(tmp: pathlib.Path, dst: pathlib.Path) -> None:
-    from jaxspec.convert import _move_into_place
+    from jaxspec.io.convert import _move_into_place
 
     _move_into_place(tmp, dst)

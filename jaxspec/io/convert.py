@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
-from jaxspec.model import Model, abstract_model
-from jaxspec.weights import hf_to_tree
+from jaxspec.io.weights import hf_to_tree
+from jaxspec.model.transformer import Model, abstract_model
 
 PathLike = str | os.PathLike
 
@@ -716,7 +716,7 @@ def load(
     """Load a converted checkpoint: onto the default device, or sharded over ``mesh``.
 
     With a mesh, attention heads, the MLP width and the vocabulary are split over its ``"tp"``
-    axis (see ``jaxspec.sharding``); every array is restored directly into its shards.
+    axis (see ``jaxspec.model.sharding``); every array is restored directly into its shards.
     ``dtype`` casts the parameters (default: the stored dtype).
     """
     import orbax.checkpoint as ocp
@@ -750,7 +750,7 @@ def load(
         shardings = None
         device = SingleDeviceSharding(jax.devices()[0])
     else:
-        from jaxspec.sharding import param_specs
+        from jaxspec.model.sharding import param_specs
 
         shardings = param_specs(cfg, mesh)
         device = None

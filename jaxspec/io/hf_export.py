@@ -14,8 +14,8 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
-from jaxspec.model import Model
-from jaxspec.weights import expected_shapes
+from jaxspec.io.weights import expected_shapes
+from jaxspec.model.transformer import Model
 
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

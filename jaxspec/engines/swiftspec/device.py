@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.engines import swiftspec as S
-from jaxspec.engines.common import compiled
+from jaxspec.engines.base import compiled
+from jaxspec.engines.swiftspec import engine as S
 
 AXIS = "w"
 

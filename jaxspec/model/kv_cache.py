@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.kernel_modes import resolve
+from jaxspec.kernels import resolve
 from jaxspec.pytree import pytree_dataclass
 from pallas_kernels import kv_commit
 
@@ -85,28 +85,6 @@ def causal_block(
     mask = causal & real[:, None, :] & real[:, :, None]
     slots = jnp.where(real, length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
     return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True)
-
-
-def write(
-    cache_k: Float[Array, "b s kh hd"], new: Float[Array, "b t kh hd"], slots: Int[Array, "b t"]
-) -> Float[Array, "b s kh hd"]:
-    """Scatter this block's K or V into its slots; slots past the capacity are dropped."""
-    rows = jnp.arange(cache_k.shape[0])[:, None]
-    return cache_k.at[rows, slots].set(new.astype(cache_k.dtype), mode="drop")
-
-
-def visible(
-    length: Int[Array, " b"], block_mask: Bool[Array, "b t n"], s: int
-) -> Bool[Array, "b t s"]:
-    """The full ``[B, T, S]`` visibility of cache slots implied by (length, block_mask)."""
-    n = block_mask.shape[-1]
-    slot = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-    rel = slot - length[:, None, None]
-    in_block = (rel >= 0) & (rel < n)
-    from_block = jnp.take_along_axis(
-        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, n - 1), block_mask.shape[:2] + (s,)), axis=2
-    )
-    return (rel < 0) | (in_block & from_block)
 
 
 def commit(cache: KVCache, src: Int[Array, "b k"], count: Int[Array, " b"]) -> KVCache:

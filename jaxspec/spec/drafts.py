@@ -14,7 +14,7 @@ deterministic), which the lossless acceptance rule needs. Kinds:
   the exact relative distances of the kept tokens; slots ``[0, sinks)`` hold the first tokens and
   ``[sinks, budget)`` are a ring over the most recent ``window`` tokens.
 * ``ModelDraft(sparse=SnapKV(...))``: the same ring, but the fixed slots hold the prompt
-  positions SnapKV selects (jaxspec.snapkv); with the target's weights, ``"self-snapkv"``.
+  positions SnapKV selects (jaxspec.spec.snapkv); with the target's weights, ``"self-snapkv"``.
 * ``NgramDraft(n)``: prompt lookup: the tokens that followed the latest earlier occurrence of the
   last n-gram in the sequence (no model, deterministic).
 
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.kv_cache import Block, KVCache, causal_block, init_cache
-from jaxspec.model import apply
+from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
+from jaxspec.model.transformer import apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.sampling import Sampling, probs, sample
+from jaxspec.spec.sampling import Sampling, probs, sample
 
 
 @pytree_dataclass
@@ -67,9 +67,9 @@ class Streaming:
 
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Streaming):
-    """SnapKV budget (jaxspec.snapkv): ``sinks`` slots hold the prompt positions the last ``obs``
-    prompt queries attend to most (per layer and KV head, pooled with a ``kernel``-wide ``pool``),
-    then the ``window`` most recent tokens follow in the Streaming ring."""
+    """SnapKV budget (jaxspec.spec.snapkv): ``sinks`` slots hold the prompt positions the last
+    ``obs`` prompt queries attend to most (per layer and KV head, pooled with a ``kernel``-wide
+    ``pool``), then the ``window`` most recent tokens follow in the Streaming ring."""
 
     obs: int = 16
     kernel: int = 5
@@ -148,7 +148,7 @@ def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
     if draft.reuse_target_cache:
         dense = pre.target_cache
     else:
-        from jaxspec.engines.common import prefill
+        from jaxspec.engines.base import prefill
 
         b, width = pre.ids.shape
         cache = init_cache(draft.cfg, b, width, jax.tree.leaves(params)[0].dtype)
@@ -156,7 +156,7 @@ def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
             draft.graphdef, params, cache, pre.ids, pre.lens, vocab=draft.cfg.vocab_size
         )
     if isinstance(draft.sparse, SnapKV):
-        from jaxspec.snapkv import snapkv_cache
+        from jaxspec.spec.snapkv import snapkv_cache
 
         sp = draft.sparse
         return snapkv_cache(
@@ -295,7 +295,7 @@ def resolve(
     ``max(16, budget // 4)``). ``sparse`` ("streaming" | "snapkv") gives a draft Model such a
     cache; "self-streaming" / "self-snapkv" are the target itself with one."""
     from jaxspec.errors import DraftError, OptionError
-    from jaxspec.model import Model
+    from jaxspec.model.transformer import Model
 
     if draft is None:
         raise DraftError(

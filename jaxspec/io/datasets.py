@@ -34,7 +34,7 @@ import pathlib
 
 from jaxspec.errors import OptionError
 
-PROMPTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks/prompts"
+PROMPTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/prompts"
 SAVED = PROMPTS / "humaneval.json"
 SOURCES = {
     "humaneval": "HumanEval (OpenAI, github.com/openai/human-eval), MIT licence",

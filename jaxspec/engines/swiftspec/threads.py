@@ -11,8 +11,8 @@ import time
 import jax
 import numpy as np
 
-from jaxspec.engines import swiftspec as S  # (the module importing this one: used at call time)
-from jaxspec.engines.common import Timer, compiled
+from jaxspec.engines.base import Timer, compiled
+from jaxspec.engines.swiftspec import engine as S  # (imports this module: used at call time)
 from jaxspec.errors import WorkerError
 
 

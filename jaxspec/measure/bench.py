@@ -6,8 +6,8 @@ batch's time split as shares (``time_split``: draft, verify, handoff, prefill, h
 method: tokens/s (all new tokens over all wall time), acceptance length, ms per token (mean,
 p50, p95 over prompts), the speedup over the first method, ``time_split_s`` (compile, excluded
 from every figure; run; handoff for swiftspec) and ``time_split``: seconds and shares of the
-wall spent in draft, verify, handoff, prefill and host (``jaxspec.time_split``). The engines run
-their loop on device, so the split is measured as component timings x counts: after each batch
+wall spent in draft, verify, handoff, prefill and host (``jaxspec.measure.time_split``). The engines
+run their loop on device, so the split is measured as component timings x counts: after each batch
 the engine's own pieces (one draft step, one target verify or decode step, one prefill) are
 timed in isolation at the batch's shapes (once per shape, compile excluded), multiplied by the
 run's step counts, handoff as the engine measured it, and host is the remainder (loop control,
@@ -17,9 +17,9 @@ excluded: each method runs one warm-up batch.
 
 Every method's tokens are compared with the reference (autoregressive when it runs, else the first
 method): ``tokens_match`` counts identical prompts, and each prompt says ``matches_reference`` and
-``first_diff``. ``peers`` (``hf``, ``hf-assisted``; see ``jaxspec.peers``) add HF transformers rows
-on the same weights and prompts, compared with the same reference (reported, never fatal: bf16
-arithmetic may differ; no time split).
+``first_diff``. ``peers`` (``hf``, ``hf-assisted``; see ``jaxspec.measure.peers``) add HF
+transformers rows on the same weights and prompts, compared with the same reference (reported, never
+fatal: bf16 arithmetic may differ; no time split).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import sys
 import jax
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def metadata() -> dict:
@@ -119,10 +119,10 @@ def _draft_name(draft) -> str | None:
 def _method_rows(
     target, method, draft, prompts, ids, *, batch, max_new, options, bar, over, split, reps
 ):
-    from jaxspec import time_split
-    from jaxspec.engines.common import pad_prompts
-    from jaxspec.generate import generate
-    from jaxspec.sampling import Sampling
+    from jaxspec.api import generate
+    from jaxspec.engines.base import pad_prompts
+    from jaxspec.measure import time_split
+    from jaxspec.spec.sampling import Sampling
 
     options = {k: v for k, v in options.items() if k in _taken(method)}
     kw = dict(
@@ -277,9 +277,9 @@ def run(
 
     from tqdm import tqdm
 
+    from jaxspec.api import METHODS
     from jaxspec.errors import OptionError
-    from jaxspec.generate import METHODS
-    from jaxspec.peers import PEERS, run_peer
+    from jaxspec.measure.peers import PEERS, run_peer
     from jaxspec.prompts import encode_prompts
 
     if not methods:

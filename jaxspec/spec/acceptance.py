@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jaxspec.sampling import draw
+from jaxspec.spec.sampling import draw
 
 
 def residual(p: Float[Array, "*b v"], q: Float[Array, "*b v"]) -> Float[Array, "*b v"]:

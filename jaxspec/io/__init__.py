@@ -1,0 +1,2 @@
+"""Reading and writing: HF safetensors and GGUF readers, convert (Orbax), load, drafts on disk,
+the embedded default model and the prompt sets."""

@@ -1,0 +1,1 @@
+"""Speculation: sampling, the lossless acceptance rules, token trees and the draft kinds."""

@@ -1,0 +1,1 @@
+"""Training drafts: distillation and its data."""
