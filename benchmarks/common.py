@@ -10,7 +10,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def metadata() -> dict:
-    from jaxspec.measure.bench import metadata as run_metadata
+    from jaxspec.provenance import metadata as run_metadata
 
     return run_metadata()
 

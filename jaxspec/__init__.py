@@ -1,8 +1,12 @@
-"""jaxspec: lossless speculative decoding in JAX."""
+"""jaxspec: lossless speculative decoding in JAX.
 
-from jaxspec.api import generate
+The path of a request: ``convert`` (HF folder or .gguf -> Orbax) -> ``load`` -> ``Model`` ->
+``generate(target, prompts, draft=..., method=...)`` -> the engine's loop -> ``GenerationResult``.
+"""
+
+from jaxspec.api import GenerationResult, generate
 from jaxspec.config import ModelConfig
-from jaxspec.engines.base import GenerationResult
+from jaxspec.engines import ENGINES
 from jaxspec.errors import (
     CheckpointError,
     DeviceError,
@@ -13,15 +17,18 @@ from jaxspec.errors import (
     WorkerError,
 )
 from jaxspec.io.convert import convert, load
+from jaxspec.io.draft_checkpoint import load_draft
+from jaxspec.kernels import KernelConfig
 from jaxspec.model.transformer import Model, new_model
-from jaxspec.train.distill import load_draft
 
 __all__ = [
+    "ENGINES",
     "CheckpointError",
     "DeviceError",
     "DraftError",
     "GenerationResult",
     "JaxspecError",
+    "KernelConfig",
     "Model",
     "ModelConfig",
     "OptionError",

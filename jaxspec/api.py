@@ -1,18 +1,143 @@
-"""``jaxspec.api``: one entry point over every decoding method."""
+"""``jaxspec.generate``: one entry point over every decoding method.
+
+The path of a call: the prompts are encoded and padded; the engine (``ENGINES[method]``) parses
+its options once; options left open for measuring (MagicDec's gamma, SwiftSpec's split and d)
+are chosen by ``measure.tuning``; the engine builds its static program (the models' resolved
+kernels, the draft, the shapes) and runs it; the tokens are trimmed at EOS and decoded.
+"""
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import math
+from typing import Any
 
 import numpy as np
 
-from jaxspec.engines.base import GenerationResult, pad_prompts, trim
-from jaxspec.errors import JaxspecError, OptionError
+from jaxspec.engines import ENGINES, base
+from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
+from jaxspec.measure import tuning
+from jaxspec.model.prefill import pad_prompts
 from jaxspec.model.transformer import Model
 from jaxspec.prompts import check_context, encode_prompts
 from jaxspec.spec.sampling import Sampling
 
-METHODS = ("autoregressive", "chain", "tree", "swiftspec", "magicdec")
+METHODS = tuple(ENGINES)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """New tokens per prompt (stopping at EOS, kept, or max_new_tokens), their text when the
+    model has a tokenizer, and the run's typed statistics (also readable as a mapping:
+    ``stats["wall_s"]``, ``tokens_per_s``, ``acceptance_length``, ...). ``call`` is what ran
+    (engine, program, inputs), for measurements that time its pieces (``measure.time_split``)."""
+
+    tokens: list[list[int]]
+    text: list[str] | None
+    stats: base.Stats
+    call: Any = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One run's engine, static program, weights and padded inputs."""
+
+    engine: base.Engine
+    prog: Any
+    target: Model
+    draft: Any  # the draft's weights (or SwiftSpec's placement), as the engine returned them
+    ids: np.ndarray
+    lens: np.ndarray
+    seed: int
+    draft_arg: Any = None  # the draft as the caller gave it
+    chosen: dict | None = None  # what measure.tuning chose for open options, and from what
+
+
+def _number(name: str, value, *, integer: bool = False):
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        kind = "an integer" if integer else "a number"
+        raise OptionError(f"{name} must be {kind}, got {value!r}.")
+    if integer and not float(value).is_integer():
+        raise OptionError(f"{name} must be an integer, got {value!r}.")
+    if not math.isfinite(float(value)):
+        raise OptionError(f"{name} must be finite, got {value!r}.")
+    return int(value) if integer else float(value)
+
+
+def sampling_of(temperature, top_p, top_k) -> Sampling:
+    """The sampling settings, checked (``OptionError`` naming the bad one)."""
+    return Sampling(
+        _number("temperature", temperature),
+        _number("top_p", top_p),
+        _number("top_k", top_k, integer=True),
+    )
+
+
+def prepare(
+    target: Model,
+    prompts,
+    *,
+    draft=None,
+    method: str = "autoregressive",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    chat: bool = False,
+    kernels: KernelConfig | None = None,
+    **method_options,
+) -> Call:
+    """Everything ``generate`` resolves before running: the engine, its program, the inputs."""
+    if not isinstance(target, Model):
+        raise OptionError(
+            f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
+        )
+    engine = ENGINES.get(method) if isinstance(method, str) else None
+    if engine is None:
+        raise OptionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}.")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int | np.integer)
+        or max_new_tokens < 1
+    ):
+        raise OptionError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+        raise OptionError(f"seed must be an integer in [0, 2**32), got {seed!r}.")
+    if kernels is not None and not isinstance(kernels, KernelConfig):
+        raise OptionError(f"kernels must be a jaxspec.KernelConfig, got {type(kernels).__name__}.")
+    sampling = sampling_of(temperature, top_p, top_k)
+    cfg = target.config
+    ids = encode_prompts(prompts, target.tokenizer, cfg, chat=chat)
+    check_context([len(p) for p in ids], int(max_new_tokens), cfg)
+    padded, lens = pad_prompts(ids, target.net(kernels).kernels)
+    req = base.Request(
+        padded.shape[0], padded.shape[1], int(max_new_tokens), sampling, tuple(cfg.eos_token_ids)
+    )
+    options = engine.Options.parse(method, method_options)
+    chosen = None
+    if engine.open_choices(options):
+        options, chosen = tuning.tune(engine, target, draft, options, padded, lens, req, kernels)
+    prog, dweights = engine.program(target, draft, options, req, kernels)
+    return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen)
+
+
+def run(call: Call) -> GenerationResult:
+    """Run a prepared call: tokens trimmed at EOS, text, stats."""
+    r = call.engine.run(call.prog, call.target, call.draft, call.ids, call.lens, call.seed)
+    tokens = trim(r.tokens, r.count)
+    stats = r.stats
+    stats.method = call.engine.name
+    stats.new_tokens = sum(len(t) for t in tokens)
+    stats.tokens_per_s = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else float("inf")
+    if call.chosen is not None:
+        stats.tuning = call.chosen
+        for k, v in call.chosen.get("stats", {}).items():
+            setattr(stats, k, v)
+    tok = call.target.tokenizer
+    text = None if tok is None else [tok.decode(t, skip_special_tokens=True) for t in tokens]
+    return GenerationResult(tokens, text, stats, call)
 
 
 def generate(
@@ -27,56 +152,39 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     chat: bool = False,
+    kernels: KernelConfig | None = None,
     **method_options,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt with ``method``.
 
-    prompts: a string, a list of strings, or a list of token-id lists (ragged lengths are fine).
+    prompts: a string, a list of strings, a flat list of token ids (one prompt, as HF takes
+    ``input_ids``), a list of id lists (ragged lengths are fine), or a 1-D / 2-D integer array.
     draft: a ``Model`` (same vocabulary), or "self-streaming", "self-snapkv", "ngram".
     chat: wrap string prompts in the tokenizer's chat template as one user turn.
+    kernels: the ``KernelConfig`` of this call (default: the model's own, else the defaults).
     Every speculative method returns exactly the target's greedy tokens at temperature 0 and
     samples from the target's distribution otherwise.
     """
-    if not isinstance(target, Model):
-        raise OptionError(
-            f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
-        )
-    if method not in METHODS:
-        raise OptionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise OptionError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise OptionError(f"seed must be an integer, got {seed!r}.")
-    sampling = Sampling(float(temperature), float(top_p), top_k)
-    cfg = target.config
-    ids = encode_prompts(prompts, target.tokenizer, cfg, chat=chat)
-    check_context([len(p) for p in ids], max_new_tokens, cfg)
-    padded, lens = pad_prompts(ids)
-    engine = importlib.import_module(f"jaxspec.engines.{method}")
-    out, count, stats = engine.run(
-        target,
-        draft,
-        padded,
-        lens,
-        max_new=max_new_tokens,
-        sampling=sampling,
-        eos=tuple(cfg.eos_token_ids),
-        seed=seed,
-        prompts=ids,
-        **method_options,
+    return run(
+        prepare(
+            target,
+            prompts,
+            draft=draft,
+            method=method,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            chat=chat,
+            kernels=kernels,
+            **method_options,
+        )  # fmt: skip
     )
-    tokens = trim(np.asarray(out), np.asarray(count))
-    new = sum(len(t) for t in tokens)
-    stats = {"method": method, "new_tokens": new, **stats}
-    stats["tokens_per_s"] = new / stats["wall_s"] if stats["wall_s"] > 0 else float("inf")
-    text = None
-    if target.tokenizer is not None:
-        text = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    return GenerationResult(tokens=tokens, text=text, stats=stats)
 
 
-__all__ = ["generate", "GenerationResult", "JaxspecError", "METHODS"]
+def trim(out: np.ndarray, n: np.ndarray) -> list[list[int]]:
+    return [row[: int(k)].tolist() for row, k in zip(np.asarray(out), np.asarray(n), strict=True)]
+
+
+__all__ = ["generate", "GenerationResult", "METHODS", "prepare", "run"]

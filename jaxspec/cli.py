@@ -1,14 +1,31 @@
-"""The ``jaxspec`` command line: convert, generate, bench, profile.
+"""The ``jaxspec`` command line: convert, generate, bench, profile, distill.
 
-Every user error is a JaxspecError: printed as ``error: ...`` on stderr, exit code 2.
+Every user error is a JaxspecError: printed as ``error: ...`` on stderr, exit code 2. This is the
+only module that reads environment variables that change compiled programs (``kernels()``:
+``KernelConfig.from_env``), besides the benchmark scripts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
 
-from jaxspec.errors import JaxspecError
+import jax
+import jax.numpy as jnp
+
+from jaxspec.api import generate
+from jaxspec.engines import tree
+from jaxspec.errors import JaxspecError, OptionError
+from jaxspec.io import datasets
+from jaxspec.io.convert import convert, load
+from jaxspec.io.default_model import default_checkpoint
+from jaxspec.io.draft_checkpoint import is_draft_checkpoint, load_draft, shipped_draft
+from jaxspec.kernels import KernelConfig
+from jaxspec import provenance
+from jaxspec.measure import bench, cost_model, split
+from jaxspec.train.distill import DataSpec, Recipe, distill
 
 DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
 
@@ -213,8 +230,6 @@ DISTILL_OPTIONS = (
 
 
 def _add_distill_parser(sub) -> None:
-    from jaxspec.train.distill import DataSpec, Recipe
-
     defaults = {**vars(DataSpec()), **vars(Recipe()), "data_seed": DataSpec().seed}
     d = sub.add_parser(
         "distill",
@@ -268,32 +283,33 @@ def _add_distill_parser(sub) -> None:
     )
 
 
-def _dtype(name: str):
-    import jax
-    import jax.numpy as jnp
+def kernels() -> KernelConfig:
+    """The kernel configuration the ``JAXSPEC_*`` variables set (``KernelConfig.from_env``):
+    read once per command, here and in the benchmark scripts only."""
+    return KernelConfig.from_env()
 
+
+def _dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return jnp.dtype(name)
 
 
 def _load_target(args):
-    from jaxspec.io.convert import load
-    from jaxspec.io.default_model import default_checkpoint
-
     path = args.model or default_checkpoint()
-    return load(path, dtype=_dtype(args.dtype))
+    model = load(path, dtype=_dtype(args.dtype))
+    model.kernels = args.kernels
+    return model
 
 
 def _load_draft(args, target):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
-    from jaxspec.io.convert import load
-    from jaxspec.train.distill import is_draft_checkpoint, load_draft
-
     if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
         return load_draft(args.draft, target)
-    return load(args.draft, dtype=_dtype(args.dtype))
+    model = load(args.draft, dtype=_dtype(args.dtype))
+    model.kernels = target.kernels
+    return model
 
 
 def _auto_method(args, target, draft):
@@ -305,11 +321,7 @@ def _auto_method(args, target, draft):
         return args.method, draft
     if draft is not None:
         return "chain", draft
-    import jax
-
     if args.model is None and jax.default_backend() == "gpu":
-        from jaxspec.train.distill import shipped_draft
-
         shipped = shipped_draft(target)
         if shipped is not None:
             return "chain", shipped
@@ -326,16 +338,12 @@ def _method_options(args) -> dict:
 
 
 def cmd_convert(args) -> int:
-    from jaxspec.io.convert import convert
-
     out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     print(f"converted {args.src} -> {out}")
     return 0
 
 
 def cmd_generate(args) -> int:
-    from jaxspec.api import generate
-
     target = _load_target(args)
     method, draft = _auto_method(args, target, _load_draft(args, target))
     result = generate(
@@ -366,13 +374,6 @@ WORD_OPTIONS = ("loop",)  # method options whose value is a word, not an integer
 
 
 def cmd_bench(args) -> int:
-    import json
-    import pathlib
-
-    from jaxspec.errors import OptionError
-    from jaxspec.io import datasets
-    from jaxspec.measure import bench
-
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
@@ -409,6 +410,7 @@ def cmd_bench(args) -> int:
         budget_s=args.budget_s,
         on_update=write,
         time_split=args.time_split,
+        kernels=target.kernels,
     )
     if args.out:
         write(result)
@@ -428,9 +430,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from jaxspec.errors import OptionError
-    from jaxspec.measure import split as profiler
-
     if args.prompt_tokens < 1:
         raise OptionError(f"--prompt-tokens must be positive, got {args.prompt_tokens}.")
     target = _load_target(args)
@@ -451,9 +450,10 @@ def cmd_profile(args) -> int:
             line += f" {args.acceptance * 1e3 / p.iteration_ms:>14.1f}"
         print(line, flush=True)
 
-    best = profiler.profile(
-        target, draft, prompt, width=args.width, branch=args.branch, bs=args.bs, progress=row
-    )[0]
+    best = split.profile(
+        target, draft, prompt, width=args.width, branch=args.branch, bs=args.bs, progress=row,
+        kernels=target.kernels,
+    )[0]  # fmt: skip
     print(
         f"\nbest: target on {best.target_devices} device(s), draft on {best.draft_devices}, "
         f"d = {best.d} (iteration {best.iteration_ms:.3f} ms)"
@@ -462,8 +462,6 @@ def cmd_profile(args) -> int:
 
 
 def _int_list(flag: str, text: str) -> list[int]:
-    from jaxspec.errors import OptionError
-
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -474,17 +472,12 @@ def _int_list(flag: str, text: str) -> list[int]:
 
 
 def _profile_magicdec(args, target, draft) -> int:
-    from jaxspec.engines import magicdec, tree
-    from jaxspec.io import datasets
-
     batches = _int_list("--batches", args.batches)
     prefixes = _int_list("--prefixes", args.prefixes or str(args.prompt_tokens))
     gammas = _int_list("--gammas", args.gammas)
     shape = None
     if args.tree:
-        shape = tree.TreeShape.from_options(
-            dict(depth=args.depth, width=args.width, branch=args.branch, bs=args.bs)
-        )
+        shape = tree.TreeShape(args.depth, args.width, args.branch, args.bs)
     prompts = None
     if target.tokenizer is not None:  # alpha on real long documents (see jaxspec.io.datasets)
 
@@ -520,7 +513,7 @@ def _profile_magicdec(args, target, draft) -> int:
         what = f"chain, gamma {r['gamma']}" if r["shape"] == "chain" else "tree"
         print(f"{'':>43} chosen: {what} (predicted {r['speedup']:.2f}x)", flush=True)
 
-    magicdec.profile(
+    cost_model.table(
         target,
         draft,
         batches,
@@ -530,17 +523,14 @@ def _profile_magicdec(args, target, draft) -> int:
         prompts=prompts,
         progress=row,
         budget=args.budget,
+        kernels=target.kernels,
     )
     return 0
 
 
 def cmd_distill(args) -> int:
-    from jaxspec.io.convert import load
-    from jaxspec.io.default_model import default_checkpoint
-    from jaxspec.measure.bench import metadata
-    from jaxspec.train.distill import distill
-
     target = load(args.target or default_checkpoint(), dtype=_dtype(args.dtype))
+    target.kernels = args.kernels
     options = {
         f: getattr(args, f) for _, f, _, _ in DISTILL_OPTIONS if getattr(args, f) is not None
     }
@@ -555,7 +545,7 @@ def cmd_distill(args) -> int:
         until_step=args.until_step,
         save_every=args.save_every,
         dtype=args.store_dtype,
-        command=metadata()["command"],
+        command=provenance.metadata()["command"],
         **options,
     )
     h = result.history[-20:]
@@ -585,6 +575,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "convert":  # a bad kernel setting fails before any work
+            args.kernels = kernels()
         return COMMANDS[args.command](args)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)

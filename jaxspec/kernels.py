@@ -1,82 +1,298 @@
-"""Which Pallas kernels a trace may use: the ``JAXSPEC_FUSED_*`` switches resolved against the
-backend, and programs over sharded arrays traced without them.
+"""``KernelConfig``: which kernels a compiled program runs, as one frozen, hashable value.
 
-The fused kernels (projections, attention, the cache commit) have no partitioning rule, so a
-program over arrays laid out on several devices (tensor parallel weights, SwiftSpec's two-device
-program) is traced inside ``fused_kernels_off()``: its Pallas calls would see whole arrays and the
-partitioner would gather them.
+Every program the engines compile takes its models' resolved ``KernelConfig`` as part of a static
+argument (``model.transformer.Net``), so two configs are two programs, found apart in every
+compile cache, and nothing is read from the environment while tracing.
+
+``KernelConfig()`` leaves each choice to ``resolve``, which fills it from the backend and the
+model's size by ``DEFAULTS`` below, each row citing the measurement that chose it. A resolved
+config names concrete implementations only: ``"pallas"`` means "the Pallas kernel wherever it
+takes the shapes, the plain path elsewhere" (the kernels check shapes while tracing);
+``"interpret"`` the same kernels through the Pallas interpreter (CPU tests); ``"off"`` /
+``"reference"`` the plain XLA path. Programs over arrays laid out on several devices (tensor
+parallel weights, SwiftSpec's two-device program) resolve with ``sharded=True``: the fused
+kernels have no partitioning rule, so they stay off there (the attention kernels have one).
+
+``from_env`` reads the ``JAXSPEC_*`` variables into a config; only the CLI and the benchmark
+scripts call it. A bad value anywhere is an ``OptionError`` naming the setting and its choices.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
+import dataclasses
+import os
+from collections.abc import Mapping
 
 import jax
 
+from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
+from pallas_kernels import fused_linear
 
-CHOICES = ("off", "auto", "pallas", "interpret")
-_LOCAL = threading.local()
+FUSED = ("auto", "off", "pallas", "interpret")
+ATTENTION = ("auto", "reference", "pallas", "interpret")
+PADDING = ("auto", "stream", "gemm")
+
+# Defaults by backend. GPU figures: one H200, jax 0.11.2 (benchmarks/RESULTS.md has each run).
+DEFAULTS = {
+    "cpu": dict(
+        attention="reference",  # the kernels are GPU kernels; the interpreter is for tests
+        fused_attention="off",
+        fused_linear="off",
+        fused_commit="off",
+        gemm_rows=0,  # XLA's CPU GEMMs gain nothing from padded rows
+        row_padding="stream",
+        prefill_chunk=256,
+        loop_chunk=1,  # the stop check is cheap; steps after the last row is done are waste
+    ),
+    "gpu": dict(
+        # split-K decode attention (pallas_kernels/decode_attention.py) and the flash kernel for
+        # prefill chunks: the 4K prefill of the SmolLM2 shape 43.4 -> 14.0 ms (prefill_probe)
+        attention="pallas",
+        # RoPE + cache write + attention in one kernel: SmolLM2-shape step 1.023 -> 0.941 ms,
+        # 121 of its 491 kernels gone (small_step_probe_s8)
+        fused_attention="pallas",
+        # split-K projection kernels, BN 64 x BK 128 x 4 warps: SmolLM2-shape step, B=1, 1K,
+        # 0.858 -> 0.663 ms and 341 -> 161 kernels (probe_small, 2026-12-01); 128 x 128 took
+        # 0.731, 64 x 64 1.007. Layers of 1B and up keep the plain path (fused_linear.layer_problem)
+        fused_linear="pallas",
+        linear_tile=(64, 128, 4),
+        fused_commit="pallas",  # one kernel for a tree verify's K/V moves in every cache
+        # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
+        # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
+        gemm_rows=8,
+        # the padding on the residual stream, not around each GEMM: 0.941 -> 0.827 ms with the
+        # fused attention kernel (small_step_probe_s8)
+        row_padding="stream",
+        prefill_chunk=None,  # by batch: prefill_tokens()
+        loop_chunk=None,  # by engine: loop_steps()
+    ),
+}
+# A GPU prefill step takes up to this many tokens (rows x chunk), at most GPU_PREFILL_CHUNK a
+# row: at 4096 prompt tokens of the SmolLM2 shape 256-token chunks took 43.4 ms, 1024 15.9, 2048
+# 14.0, 4096 15.3 (prefill_probe).
+GPU_PREFILL_TOKENS = 16384
+GPU_PREFILL_CHUNK = 2048
+MIN_PREFILL_CHUNK = 256
 
 
-@contextlib.contextmanager
-def fused_kernels_off():
-    """Trace without the fused kernels (in this thread): for sharded arrays, which their Pallas
-    calls cannot take."""
-    before = getattr(_LOCAL, "off", False)
-    _LOCAL.off = True
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run. ``"auto"`` / ``None`` fields are filled by ``resolve``.
+
+    attention:       decode and prefill attention: "reference" (jnp), "pallas", "interpret".
+    attention_tile:  (block_k, num_stages, min_split) of the split-K decode kernel; None: its own
+                     heuristics (``pallas_kernels.decode_attention.plan``).
+    fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
+    fused_linear:    the split-K projection kernels for steps of at most 16 rows.
+    linear_tile:     (BN, BK, warps) of those kernels.
+    fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
+    gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
+    row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
+    prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
+    loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
+    """
+
+    attention: str = "auto"
+    attention_tile: tuple[int | None, int | None, int | None] | None = None
+    fused_attention: str = "auto"
+    fused_linear: str = "auto"
+    linear_tile: tuple[int, int, int] | None = None
+    fused_commit: str = "auto"
+    gemm_rows: int | None = None
+    row_padding: str = "auto"
+    prefill_chunk: int | None = None
+    loop_chunk: int | None = None
+    resolved: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        for name, choices in (
+            ("attention", ATTENTION),
+            ("fused_attention", FUSED),
+            ("fused_linear", FUSED),
+            ("fused_commit", FUSED),
+            ("row_padding", PADDING),
+        ):
+            if getattr(self, name) not in choices:
+                raise OptionError(
+                    f"KernelConfig.{name} must be one of {', '.join(choices)}; got "
+                    f"{getattr(self, name)!r}."
+                )
+        if self.linear_tile is not None:
+            if len(self.linear_tile) != 3 or not all(_pow2(v) for v in self.linear_tile[:2]):
+                raise OptionError(
+                    f"KernelConfig.linear_tile is (BN, BK, warps) with BN and BK powers of two "
+                    f">= 16; got {self.linear_tile!r}."
+                )
+            if not _positive(self.linear_tile[2]):
+                raise OptionError(f"linear_tile's warps must be positive, got {self.linear_tile}.")
+        if self.attention_tile is not None:
+            bk, stages, split = (tuple(self.attention_tile) + (None,) * 3)[:3]
+            if bk is not None and not _pow2(bk):
+                raise OptionError(f"attention_tile's block_k must be a power of two >= 16: {bk}.")
+            for what, v in (("num_stages", stages), ("min_split", split)):
+                if v is not None and not _positive(v):
+                    raise OptionError(f"attention_tile's {what} must be positive, got {v!r}.")
+        if self.gemm_rows is not None and (not _int(self.gemm_rows) or self.gemm_rows < 0):
+            raise OptionError(
+                f"KernelConfig.gemm_rows must be an integer >= 0: {self.gemm_rows!r}."
+            )
+        if self.prefill_chunk is not None and not (
+            _int(self.prefill_chunk) and self.prefill_chunk >= 16 and self.prefill_chunk % 16 == 0
+        ):
+            raise OptionError(
+                f"KernelConfig.prefill_chunk must be a multiple of 16 (16, 32, ..., 2048), got "
+                f"{self.prefill_chunk!r}."
+            )
+        if self.loop_chunk is not None and not (
+            _int(self.loop_chunk) and 1 <= self.loop_chunk <= 64
+        ):
+            raise OptionError(
+                f"KernelConfig.loop_chunk must be an integer from 1 to 64, got {self.loop_chunk!r}."
+            )
+
+    def resolve(
+        self, cfg: ModelConfig, *, backend: str | None = None, sharded: bool = False
+    ) -> KernelConfig:
+        """This config with every ``auto`` / ``None`` filled for ``cfg`` on ``backend`` (default:
+        JAX's); ``sharded``: the program's arrays span several devices (no fused kernels)."""
+        if self.resolved and not sharded:
+            return self
+        backend = backend or jax.default_backend()
+        table = DEFAULTS["gpu" if backend == "gpu" else "cpu"]
+        fill = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in table and value in ("auto", None):
+                value = table[f.name]
+            fill[f.name] = value
+        for name in ("fused_attention", "fused_linear", "fused_commit"):
+            if fill[name] == "pallas" and backend != "gpu":
+                raise OptionError(
+                    f"KernelConfig.{name}='pallas' needs a GPU backend (this is {backend!r}); "
+                    "use 'interpret' or 'auto' here."
+                )
+            if sharded:
+                fill[name] = "off"
+        if fill["attention"] == "pallas" and backend != "gpu":
+            raise OptionError(
+                f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
+                "'interpret', 'reference' or 'auto' here."
+            )
+        if fill["fused_linear"] != "off" and _linear_unfit(cfg, fill["linear_tile"]):
+            fill["fused_linear"] = "off"
+        if fill["fused_linear"] != "off" and fill["linear_tile"] is None:
+            fill["linear_tile"] = DEFAULTS["gpu"]["linear_tile"]
+        fill["resolved"] = True
+        return KernelConfig(**fill)
+
+    def prefill_tokens(self, batch: int) -> int:
+        """Prompt tokens a row per prefill step for ``batch`` rows."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        per_row = 1 << (max(1, GPU_PREFILL_TOKENS // max(batch, 1)).bit_length() - 1)
+        return max(MIN_PREFILL_CHUNK, min(GPU_PREFILL_CHUNK, per_row))
+
+    def loop_steps(self, default: int) -> int:
+        """Loop iterations per check of the stop condition: the config's, else ``default`` (the
+        engine's choice for a GPU)."""
+        return self.loop_chunk if self.loop_chunk is not None else default
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelConfig:
+        """The config the ``JAXSPEC_*`` variables set (unset ones: ``auto``). Only the CLI and
+        the benchmark scripts call this; a bad value is an ``OptionError`` naming the
+        variable and its choices."""
+        env = os.environ if environ is None else environ
+        kw = {}
+        for var, (field, kind) in ENV.items():
+            raw = env.get(var, "").strip()
+            if raw:
+                kw[field] = _env_value(var, field, kind, raw)
+        for field, names, default in TILE_ENV:
+            raw = [env.get(v, "").strip() for v in names]
+            if any(raw):
+                kw[field] = tuple(
+                    _env_value(v, field, "int", r) if r else d
+                    for v, r, d in zip(names, raw, default, strict=True)
+                )
+                _checked("/".join(names), **{field: kw[field]})
+        return cls(**kw)
+
+    def describe(self) -> dict:
+        """The settings as a plain dict (benchmarks record it beside their figures)."""
+        d = dataclasses.asdict(self)
+        d.pop("resolved")
+        return d
+
+
+# variable -> (field, choices or "int")
+ENV = {
+    "JAXSPEC_ATTENTION": ("attention", (*ATTENTION, "pallas_interpret")),
+    "JAXSPEC_FUSED_ATTENTION": ("fused_attention", FUSED),
+    "JAXSPEC_FUSED_LINEAR": ("fused_linear", FUSED),
+    "JAXSPEC_FUSED_COMMIT": ("fused_commit", FUSED),
+    "JAXSPEC_ROW_PADDING": ("row_padding", PADDING),
+    "JAXSPEC_MIN_GEMM_ROWS": ("gemm_rows", "int"),
+    "JAXSPEC_PREFILL_CHUNK": ("prefill_chunk", "int"),
+    "JAXSPEC_LOOP_CHUNK": ("loop_chunk", "int"),
+}
+
+
+# variables of a tile -> (field, variables, defaults where one is unset)
+TILE_ENV = (
+    ("linear_tile", ("JAXSPEC_FUSED_BN", "JAXSPEC_FUSED_BK", "JAXSPEC_FUSED_WARPS"), (64, 128, 4)),
+    (
+        "attention_tile",
+        ("JAXSPEC_ATTN_BLOCK_K", "JAXSPEC_ATTN_STAGES", "JAXSPEC_ATTN_MIN_SPLIT"),
+        (None, None, None),
+    ),
+)
+
+
+def _env_value(var: str, field: str, kind, raw: str):
+    """One variable's value, checked as its field (the error names the variable)."""
+    if kind == "int":
+        if not raw.isdigit():
+            raise OptionError(
+                f"{var} must be a non-negative integer, got {raw!r}; unset it for the default."
+            )
+        value = int(raw)
+    else:
+        if raw not in kind:
+            raise OptionError(
+                f"{var} must be one of {', '.join(kind)}; got {raw!r}. Set it to one of those, "
+                "or unset it for the default."
+            )
+        value = "interpret" if raw == "pallas_interpret" else raw
+    if field not in ("linear_tile", "attention_tile"):
+        _checked(var, **{field: value})
+    return value
+
+
+def _checked(var: str, **field) -> None:
     try:
-        yield
-    finally:
-        _LOCAL.off = before
+        KernelConfig(**field)
+    except OptionError as e:
+        raise OptionError(f"{var}: {e} Unset it for the default.") from None
 
 
-def kernels_off() -> bool:
-    """Whether this thread traces inside ``fused_kernels_off()``."""
-    return getattr(_LOCAL, "off", False)
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def spans_devices(*trees) -> bool:
-    """Whether any array in ``trees`` (models' ``params`` are looked into) is laid out over
-    several devices: tensor parallel weights, or SwiftSpec's two-device program."""
-    leaves = jax.tree.leaves([getattr(t, "params", t) for t in trees])
-    return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves)
+def _positive(x) -> bool:
+    return _int(x) and x >= 1
 
 
-def fused_kernels_for(*trees):
-    """``fused_kernels_off()`` when ``trees`` span several devices (the fused kernels have no
-    partitioning rule), else a context that changes nothing. Trace programs inside it."""
-    return fused_kernels_off() if spans_devices(*trees) else contextlib.nullcontext()
+def _pow2(x) -> bool:
+    return _int(x) and x >= 16 and not x & (x - 1)
 
 
-def traced_for_layout(fn):
-    """Decorate a function that traces programs over its arguments (models, parameters,
-    arrays): it runs under ``fused_kernels_for`` of them."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with fused_kernels_for(*args, *kwargs.values()):
-            return fn(*args, **kwargs)
-
-    return wrapped
-
-
-def resolve(setting: str, switch: str) -> str | None:
-    """A kernel switch's value (``switch`` names its environment variable, for the error) as
-    'pallas' / 'interpret', or None for the plain path: 'auto' is 'pallas' on a GPU; every
-    setting is None inside ``fused_kernels_off()``. A bad setting is an ``OptionError`` (the
-    CLI prints it and exits 2)."""
-    if setting not in CHOICES:
-        raise OptionError(
-            f"{switch} must be one of {', '.join(CHOICES)}; got {setting!r}. Set it to one of "
-            "those, or unset it for the default."
-        )
-    if setting == "pallas" and jax.default_backend() != "gpu":
-        raise OptionError(
-            f"{switch}=pallas needs a GPU backend; use 'interpret' or 'auto' here, or unset it."
-        )
-    if setting == "auto":
-        setting = "pallas" if jax.default_backend() == "gpu" else "off"
-    return None if setting == "off" or kernels_off() else setting
+def _linear_unfit(cfg: ModelConfig, tile) -> bool:
+    """Layers the split-K projection kernels should not take: biased projections, and sizes whose
+    norm programs would re-read too many partials (``fused_linear.layer_problem``)."""
+    bk = None if tile is None else tile[1]
+    width = cfg.num_heads * cfg.head_dim
+    problem = fused_linear.layer_problem(cfg.hidden_size, width, cfg.intermediate_size, bk)
+    return cfg.qkv_bias or problem is not None

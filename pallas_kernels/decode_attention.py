@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +35,6 @@ from pallas_kernels.reference import attend
 
 # Streaming-multiprocessor count of the target GPU (H100/H200: 132); only sizes k_splits.
 NUM_SMS = 132
-# Tiling overrides for A/B runs on a GPU (unset: the defaults of ``plan``).
-_ENV_BLOCK_K = os.environ.get("JAXSPEC_ATTN_BLOCK_K")
-_ENV_STAGES = os.environ.get("JAXSPEC_ATTN_STAGES")
-_ENV_MIN_SPLIT = os.environ.get("JAXSPEC_ATTN_MIN_SPLIT")
 # Finite "minus infinity" for running maxima, so a fully masked tile gives exp(-inf - m) = 0
 # rather than NaN.
 _NEG = -1e30
@@ -203,14 +198,13 @@ def plan(
     warps and pipeline stages. Defaults were picked on an H200 (bf16): KV blocks of 8192
     elements (64 slots of Llama-3-8B's 128-wide heads, 128 of SmolLM2's 64-wide ones), 4 warps,
     2 stages for decode-sized tiles and 3 once a row tile has 64 rows or a KV block 128 slots.
-    Prefix splits are no shorter than ``min_split`` slots (default 256).
-    ``JAXSPEC_ATTN_BLOCK_K`` / ``JAXSPEC_ATTN_STAGES`` / ``JAXSPEC_ATTN_MIN_SPLIT`` override the
-    defaults (A/B runs)."""
-    min_split = min_split or (int(_ENV_MIN_SPLIT) if _ENV_MIN_SPLIT else 256)
+    Prefix splits are no shorter than ``min_split`` slots (default 256). A given ``block_k``,
+    ``num_stages`` or ``min_split`` overrides its default (``KernelConfig.attention_tile``)."""
+    min_split = min_split or 256
     m_pad = max(16, _next_pow2(rows))
     block_m = min(m_pad, block_m or 64)
     m_tiles = m_pad // block_m
-    default_k = int(_ENV_BLOCK_K) if _ENV_BLOCK_K else max(16, min(128, 8192 // head_dim))
+    default_k = max(16, min(128, 8192 // head_dim))
     block_k = block_k or default_k
     for name, x in (("block_k", block_k), ("block_m", block_m)):
         if x < 16 or x & (x - 1):
@@ -229,8 +223,7 @@ def plan(
         split_len=split_len,
         k_splits=k_splits,
         num_warps=num_warps or 4,
-        num_stages=num_stages
-        or (int(_ENV_STAGES) if _ENV_STAGES else 3 if block_m >= 64 or block_k >= 128 else 2),
+        num_stages=num_stages or (3 if block_m >= 64 or block_k >= 128 else 2),
     )
 
 
@@ -242,6 +235,7 @@ def plan(
         "block_m",
         "num_warps",
         "num_stages",
+        "min_split",
         "interpret",
     ),
 )
@@ -257,6 +251,7 @@ def decode_attention_partials(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_split: int | None = None,
     interpret: bool = False,
 ) -> tuple[
     Float[Array, "b kh splits m hd"],
@@ -282,6 +277,7 @@ def decode_attention_partials(
         block_m=block_m,
         num_warps=num_warps,
         num_stages=num_stages,
+        min_split=min_split,
     )
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, _next_pow2(n)) if n else 16
@@ -361,6 +357,7 @@ def combine(
         "block_m",
         "num_warps",
         "num_stages",
+        "min_split",
         "interpret",
     ),
 )
@@ -376,6 +373,7 @@ def decode_attention(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_split: int | None = None,
     interpret: bool = False,
 ) -> Float[Array, "b t h hd"]:
     """Pallas split-K decode attention (same contract and result as ``reference``).
@@ -400,6 +398,7 @@ def decode_attention(
         block_m=block_m,
         num_warps=num_warps,
         num_stages=num_stages,
+        min_split=min_split,
         interpret=interpret,
     )
     rows = t * (h // kh)

@@ -8,7 +8,8 @@
   (``decode_attention``) for 1 <= T <= 64 queries and block size N <= 128, the flash kernel
   (``prefill_attention``: prefill chunks) for wider blocks (raises off GPU or on shapes neither
   takes);
-- ``"pallas_interpret"``: the same kernels through the Pallas interpreter (CPU tests; slow);
+- ``"interpret"`` (or ``"pallas_interpret"``): the same kernels through the Pallas interpreter
+  (CPU tests; slow);
 - ``"auto"``: ``"pallas"`` when ``jax.default_backend() == "gpu"`` and the shapes fit (head_dim in
   {64, 128}; q, k, v one of bf16/f16/f32), else ``"reference"``.
 
@@ -31,20 +32,26 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-# the module, not its names: importing a kernel module first (pallas_kernels.decode_attention
-# imports jaxspec, which imports this file) would find it half initialised
 from pallas_kernels import decode_attention as D
 from pallas_kernels import prefill_attention as P
 from pallas_kernels.reference import attend
 
-Impl = Literal["auto", "reference", "pallas", "pallas_interpret"]
-IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+Impl = Literal["auto", "reference", "pallas", "interpret", "pallas_interpret"]
+IMPLS = ("auto", "reference", "pallas", "interpret", "pallas_interpret")
 
 
 def choose_impl(q, k, v, block_mask, impl: str = "auto") -> str:
     """The implementation ``attention`` would run for these arrays (``impl`` resolved)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "pallas_interpret":
+        impl = "interpret"
+    if impl in ("pallas", "interpret"):  # the kernels where they take the shapes
+        fits = (
+            D.unsupported_reason(q, k, v, block_mask) is None
+            or P.unsupported_reason(q, k, v, block_mask) is None
+        )
+        return impl if fits else "reference"
     if impl != "auto":
         return impl
     if jax.default_backend() == "gpu" and (
@@ -63,9 +70,11 @@ def attention(
     block_mask: Bool[Array, "b t n"],
     *,
     impl: Impl = "auto",
+    tile: tuple | None = None,
 ) -> Float[Array, "b t h hd"]:
     """Grouped-query attention of T queries over the cache prefix plus their allowed block slots
-    (see ``pallas_kernels.reference.attend``), by the implementation ``impl`` picks."""
+    (see ``pallas_kernels.reference.attend``), by the implementation ``impl`` picks. ``tile``:
+    the split-K decode kernel's (block_k, num_stages, min_split) overrides (None: its own)."""
     chosen = choose_impl(q, k, v, block_mask, impl)
     if chosen == "reference":
         return attend(q, k, v, length, block_mask)
@@ -74,16 +83,21 @@ def attention(
             f"impl='pallas' needs a GPU backend (have {jax.default_backend()!r}); "
             "use 'pallas_interpret' or 'auto'"
         )
-    return _partitioned_kernel(q, k, v, length, block_mask, chosen == "pallas_interpret")
+    tile = tuple(tile) if tile is not None else (None, None, None)
+    return _partitioned_kernel(q, k, v, length, block_mask, chosen == "interpret", tile)
 
 
-def _kernel(q, k, v, length, block_mask, interpret):
+def _kernel(q, k, v, length, block_mask, interpret, tile):
     if D.unsupported_reason(q, k, v, block_mask) is None:
-        return D.decode_attention(q, k, v, length, block_mask, interpret=interpret)
+        block_k, stages, min_split = tile
+        return D.decode_attention(
+            q, k, v, length, block_mask, block_k=block_k, num_stages=stages,
+            min_split=min_split, interpret=interpret,
+        )  # fmt: skip
     return P.prefill_attention(q, k, v, length, block_mask, interpret=interpret)
 
 
-_partitioned_kernel = custom_partitioning(_kernel, static_argnums=(5,))
+_partitioned_kernel = custom_partitioning(_kernel, static_argnums=(5, 6))
 
 
 def _shardings(mesh, arg_shapes):
@@ -99,16 +113,17 @@ def _shardings(mesh, arg_shapes):
     )
 
 
-def _partition(interpret, mesh, arg_shapes, result_shape):
+def _partition(interpret, tile, mesh, arg_shapes, result_shape):
     qs, kvs, ls, ms = _shardings(mesh, arg_shapes)
-    return mesh, functools.partial(_kernel, interpret=interpret), qs, (qs, kvs, kvs, ls, ms)
+    kern = functools.partial(_kernel, interpret=interpret, tile=tile)
+    return mesh, kern, qs, (qs, kvs, kvs, ls, ms)
 
 
-def _infer(interpret, mesh, arg_shapes, result_shape):
+def _infer(interpret, tile, mesh, arg_shapes, result_shape):
     return _shardings(mesh, arg_shapes)[0]
 
 
-def _rule(interpret, mesh, value_types, result_types):
+def _rule(interpret, tile, mesh, value_types, result_types):
     from jax.interpreters.mlir import ir
 
     h, kh = (

@@ -32,9 +32,9 @@ The norm needs the whole row, so every program of a norm kernel sums the whole r
 partials: cheap for a small model (SmolLM2: 27 KiB from L2 a program), not for a 1B one
 (``layer_problem``: the model takes the plain path there).
 
-**Not measured on a GPU yet**: the model keeps these kernels off unless ``JAXSPEC_FUSED_LINEAR``
-turns them on (``jaxspec/model.py``). ``JAXSPEC_FUSED_BN`` / ``JAXSPEC_FUSED_BK`` /
-``JAXSPEC_FUSED_WARPS`` set the tiling for A/B runs.
+The tiling (``bn``, ``bk``, ``num_warps``) is each call's static argument; the model takes it from
+its ``KernelConfig.linear_tile`` (GPU default 64 x 128 x 4: the fastest of six tilings measured
+on an H200, SmolLM2-shape step 0.858 -> 0.663 ms).
 
 Contract: rows ``[M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as the
 model stores them (``y = x @ w``), partials ``[S, M, sum N]`` float32 with ``S = ceil(K / BK)``,
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +58,14 @@ from jaxtyping import Array, Float
 
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the model takes the plain path
 DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
-BN = int(os.environ.get("JAXSPEC_FUSED_BN", "64"))  # columns a program (powers of two)
-BK = int(os.environ.get("JAXSPEC_FUSED_BK", "128"))  # rows of the weight a program (its K split)
+BN = 64  # columns a program (a power of two): one 128-byte line of bf16 a row
+BK = 128  # rows of the weight a program (its K split)
 # Every program of a norm kernel sums the whole row's pending partials (the norm needs the whole
 # row): ``parts * width * 4`` bytes from L2 a program. Past this the redundancy costs more than
 # the kernel it saves, and the model takes the plain path (Llama-3.2-1B: 64 down partials of
 # 2048 floats, 512 KiB; SmolLM2-135M: 12 of 576, 27 KiB).
 MAX_PENDING_BYTES = 64 * 1024
-NUM_WARPS = int(os.environ.get("JAXSPEC_FUSED_WARPS", "4"))
+NUM_WARPS = 4
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -288,20 +287,18 @@ def _combine_kernel(acc_ref, m_ref, ssum_ref, w_ref, o_ref, *, n_splits, t, g, h
 
 
 def _grid(widths, k: int, bn: int, bk: int):
-    for name, v in (("JAXSPEC_FUSED_BN", bn), ("JAXSPEC_FUSED_BK", bk)):
+    for name, v in (("bn", bn), ("bk", bk)):
         if v < 16 or v & (v - 1):
-            from jaxspec.errors import OptionError
-
-            raise OptionError(f"{name}={v}: the kernels' tiles must be powers of two >= 16")
+            raise ValueError(f"{name}={v}: the kernels' tiles must be powers of two >= 16")
     return (sum(-(-n // bn) for n in widths), n_splits(k, bk))
 
 
-def _call(kernel, grid, out_shape, args, interpret, name):
+def _call(kernel, grid, out_shape, args, interpret, name, num_warps):
     return pl.pallas_call(
         kernel,
         grid=grid,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1),
         interpret=interpret,
         name=name,
     )(*args)
@@ -315,7 +312,7 @@ def _rows(m: int) -> int:
     return 1 if m == 1 else DOT_ROWS
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn", "bk"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn", "bk", "num_warps"))
 def norm_project(
     x: Float[Array, "m k"],
     pending: Float[Array, "p m k"] | None,
@@ -326,6 +323,7 @@ def norm_project(
     interpret: bool = False,
     bn: int | None = None,
     bk: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Float[Array, "m k"], Float[Array, "s m n"]]:
     """The kernel version of :func:`norm_project_reference`: ``(x', partials)``."""
     (m, k), bn, bk = x.shape, bn or BN, bk or BK
@@ -337,11 +335,12 @@ def norm_project(
     )  # fmt: skip
     args = (x, *(() if pending is None else (pending,)), g, *ws)
     shapes = (_partials(m, widths, k, bk), jax.ShapeDtypeStruct(x.shape, x.dtype))
-    part, settled = _call(kern, _grid(widths, k, bn, bk), shapes, args, interpret, "norm_project")
+    grid = _grid(widths, k, bn, bk)
+    part, settled = _call(kern, grid, shapes, args, interpret, "norm_project", num_warps)
     return settled, part
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk"))
+@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk", "num_warps"))
 def project(
     a: Float[Array, "m k"],
     ws: tuple[Float[Array, "k _"], ...],
@@ -349,6 +348,7 @@ def project(
     interpret: bool = False,
     bn: int | None = None,
     bk: int | None = None,
+    num_warps: int | None = None,
 ) -> Float[Array, "s m n"]:
     """``[a @ w for w in ws]`` as float32 partials ``[S, M, sum N]``."""
     (m, k), bn, bk = a.shape, bn or BN, bk or BK
@@ -357,10 +357,10 @@ def project(
         _plain_kernel, n_w=len(ws), widths=widths, m=m, k=k, bn=bn, bk=bk, rows=_rows(m)
     )
     shape = _partials(m, widths, k, bk)
-    return _call(kern, _grid(widths, k, bn, bk), shape, (a, *ws), interpret, "project")
+    return _call(kern, _grid(widths, k, bn, bk), shape, (a, *ws), interpret, "project", num_warps)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk"))
+@functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk", "num_warps"))
 def silu_project(
     gate_up: Float[Array, "p m f2"],
     w: Float[Array, "f n"],
@@ -368,6 +368,7 @@ def silu_project(
     interpret: bool = False,
     bn: int | None = None,
     bk: int | None = None,
+    num_warps: int | None = None,
 ) -> Float[Array, "s m n"]:
     """The kernel version of :func:`silu_project_reference`, as partials; ``gate_up`` holds the
     partials of ``norm_project(..., (w_gate, w_up))``."""
@@ -379,10 +380,11 @@ def silu_project(
         dt=w.dtype,
     )  # fmt: skip
     shape = _partials(m, widths, k, bk)
-    return _call(kern, _grid(widths, k, bn, bk), shape, (gate_up, w), interpret, "silu_project")
+    grid = _grid(widths, k, bn, bk)
+    return _call(kern, grid, shape, (gate_up, w), interpret, "silu_project", num_warps)
 
 
-@functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk"))
+@functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk", "num_warps"))
 def combine_project(
     acc: Float[Array, "b kh splits mp hd"],
     m: Float[Array, "b kh splits mp"],
@@ -393,6 +395,7 @@ def combine_project(
     interpret: bool = False,
     bn: int | None = None,
     bk: int | None = None,
+    num_warps: int | None = None,
 ) -> Float[Array, "s rows n"]:
     """The kernel version of :func:`combine_project_reference`, as partials: o_proj that merges
     the attention kernel's splits (``rope_attention.Splits``) as it loads its input, so the
@@ -408,4 +411,4 @@ def combine_project(
     )  # fmt: skip
     shape = _partials(rows_m, widths, k, bk)
     grid = _grid(widths, k, bn, bk)
-    return _call(kern, grid, shape, (acc, m, ssum, w), interpret, "combine_project")
+    return _call(kern, grid, shape, (acc, m, ssum, w), interpret, "combine_project", num_warps)

@@ -242,7 +242,9 @@ class Splits(NamedTuple):
     ssum: Float[Array, "b kh splits m"]
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
+@functools.partial(
+    jax.jit, static_argnames=("num_heads", "interpret", "tile"), donate_argnums=(3, 4)
+)
 def rope_attention(
     qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
     cos: Float[Array, "b t half"],
@@ -255,6 +257,7 @@ def rope_attention(
     *,
     num_heads: int,
     interpret: bool = False,
+    tile: tuple | None = None,
 ) -> tuple[Float[Array, "b t h hd"], Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``reference``'s result in one kernel plus the combine: (attention output, K cache, V
     cache). ``qkv`` holds the projections before RoPE, or their float32 partial sums
@@ -262,14 +265,16 @@ def rope_attention(
     (updated in place)."""
     split, k_cache, v_cache = rope_attention_splits(
         qkv, cos, sin, k_cache, v_cache, length, slots, block_mask,
-        num_heads=num_heads, interpret=interpret,
+        num_heads=num_heads, interpret=interpret, tile=tile,
     )  # fmt: skip
     rows = qkv.shape[-3] * (num_heads // k_cache.shape[2])
     acc, m, ssum = (x[..., :rows, :] if x.ndim == 5 else x[..., :rows] for x in split)
     return D.combine(acc, m, ssum, qkv.shape[-3], k_cache.dtype), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "interpret"), donate_argnums=(3, 4))
+@functools.partial(
+    jax.jit, static_argnames=("num_heads", "interpret", "tile"), donate_argnums=(3, 4)
+)
 def rope_attention_splits(
     qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
     cos: Float[Array, "b t half"],
@@ -282,8 +287,11 @@ def rope_attention_splits(
     *,
     num_heads: int,
     interpret: bool = False,
+    tile: tuple | None = None,
 ) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
-    """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache)."""
+    """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache).
+    ``tile``: (block_k, num_stages, min_split) overrides of ``decode_attention.plan``'s
+    defaults (None: its defaults)."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
@@ -293,7 +301,8 @@ def rope_attention_splits(
     h = num_heads
     g = h // kh
     rows = t * g
-    p = D.plan(b, s, kh, rows, head_dim=hd)
+    block_k, stages, min_split = tile or (None, None, None)
+    p = D.plan(b, s, kh, rows, head_dim=hd, block_k=block_k, num_stages=stages, min_split=min_split)
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, D._next_pow2(t))
     bmr = jnp.repeat(block_mask, g, axis=1)

@@ -1,124 +1,72 @@
-"""Pieces every engine shares: padded prompt batches, chunked prefill, EOS bookkeeping,
-compilation caching and the result type."""
+"""The engine interface and what every engine shares.
+
+An engine (``ENGINES[method]``, filled in ``jaxspec.engines``) has:
+
+- ``Options``: a frozen dataclass of its options, parsed once from ``generate``'s keywords
+  (``Options.parse``): an unknown name or a bad value is an ``OptionError`` naming the option;
+- ``program(target, draft, options, request, kernels)``: the static, hashable ``Program`` a run
+  compiles (models' ``Net``s, the resolved draft, shapes), and the draft's ``Weights``;
+- its pure pieces over a pytree ``State``: ``init(prog, tflat, dflat, ids, lens, seed)``,
+  ``step(prog, tflat, dflat, state)`` and the draft / verify / commit functions they compose;
+- ``units(prog)``: the pieces a measurement times (``Unit``: "draft", "verify"), so the cost
+  model, the time split and the SwiftSpec split chooser time the engines' own code;
+- ``run(prog, target, draft_weights, ids, lens, seed) -> Run``: tokens, counts and ``Stats``.
+
+Shared here: the output bookkeeping (``Out``, ``first``, ``emit``), the loop (``until_done``),
+the stats types, and the one compile cache (``compiled``), keyed by the program, the weights'
+layout and the argument shapes, so a warm call costs a dict lookup and a dispatch.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
-from jaxspec.kernels import fused_kernels_for
-from jaxspec.model.kv_cache import KVCache, causal_block
-from jaxspec.model.transformer import apply
+from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
+from jaxspec.model.kv_cache import init_cache
+from jaxspec.model.prefill import prefill
+from jaxspec.model.transformer import Model, Net, Weights
+from jaxspec.pytree import pytree_dataclass
+from jaxspec.spec.sampling import Sampling, sample
 
-# Prompt tokens per row and prefill step: JAXSPEC_PREFILL_CHUNK, else PREFILL_CHUNK off GPU. On a
-# GPU the chunk's attention is the flash kernel (pallas_kernels/prefill_attention.py), and wider
-# chunks mean fewer, fuller GEMMs: at 4096 prompt tokens of the SmolLM2 shape, 256-token chunks
-# took 43.4 ms, 1024 15.9, 2048 14.0, 4096 15.3 (benchmarks/notes/prefill_probe.md). So
-# GPU_PREFILL_TOKENS rows x tokens per step, 2048 tokens a row at most, PREFILL_CHUNK at least.
-PREFILL_CHUNK = 256
-PREFILL_CHUNK_ENV = "JAXSPEC_PREFILL_CHUNK"
-GPU_PREFILL_TOKENS = 16384
-GPU_PREFILL_CHUNK = 2048
-LOOP_CHUNK_ENV = "JAXSPEC_LOOP_CHUNK"
+# ---------------------------------------------------------------- a request's static part
 
 
-@dataclasses.dataclass
-class GenerationResult:
-    """New tokens per prompt (stopping at EOS, kept, or max_new_tokens), their text when the
-    model has a tokenizer, and run statistics (wall_s, tokens_per_s, acceptance_length, ...)."""
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a call fixes besides the models and options: the padded batch's shape, the token
+    budget, the sampling settings and the stop tokens (all static in the compiled loop)."""
 
-    tokens: list[list[int]]
-    text: list[str] | None
-    stats: dict[str, Any]
-
-
-def prefill_chunk(batch: int = 1) -> int:
-    """The prefill chunk for ``batch`` rows: ``JAXSPEC_PREFILL_CHUNK`` (a multiple of 16) when
-    set, else the backend's default (see ``GPU_PREFILL_TOKENS``)."""
-    from jaxspec.errors import OptionError
-
-    raw = os.environ.get(PREFILL_CHUNK_ENV, "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 16 or int(raw) % 16:
-            raise OptionError(
-                f"{PREFILL_CHUNK_ENV} must be a multiple of 16 (16, 32, ..., 2048), got {raw!r}; "
-                "unset it for the default."
-            )
-        return int(raw)
-    if jax.default_backend() != "gpu":
-        return PREFILL_CHUNK
-    per_row = 1 << (max(1, GPU_PREFILL_TOKENS // max(batch, 1)).bit_length() - 1)
-    return max(PREFILL_CHUNK, min(GPU_PREFILL_CHUNK, per_row))
+    batch: int
+    width: int  # padded prompt width
+    max_new: int
+    sampling: Sampling
+    eos: tuple[int, ...]
 
 
-def fit_chunk(width: int, chunk: int) -> int:
-    """The widest step of at most ``chunk`` tokens that divides ``width`` (the whole width
-    when it fits in one): prompts padded for another chunk still prefill every token."""
-    if width <= chunk:
-        return width
-    step = 16 if width % 16 == 0 else 1
-    c = chunk - chunk % step
-    while width % c:
-        c -= step
-    return c
+# ---------------------------------------------------------------- output bookkeeping
 
 
-def pad_prompts(prompts: list[list[int]]):
-    """Right-pad: ids [B, L], lengths [B]. L is a multiple of 16 up to one prefill chunk, then of
-    the chunk (few distinct shapes, so few compiles)."""
-    lens = np.array([len(p) for p in prompts], np.int32)
-    chunk = prefill_chunk(len(prompts))
-    multiple = 16 if lens.max() <= chunk else chunk
-    width = int(-(-lens.max() // multiple) * multiple)
-    ids = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = p
-    return jnp.asarray(ids), jnp.asarray(lens)
+@pytree_dataclass
+class Out:
+    """Emitted tokens and the loop's counters, the same in every engine."""
 
-
-def prefill(
-    graphdef,
-    params,
-    cache: KVCache,
-    ids: Int[Array, "b l"],
-    lens: Int[Array, " b"],
-    *,
-    vocab: int,
-    chunk: int | None = None,
-) -> tuple[Float[Array, "b v"], KVCache]:
-    """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
-    after each row's last prompt token and the cache with the prompt committed. ``chunk``
-    (default ``prefill_chunk(batch)``) is cut down to divide the width (``fit_chunk``).
-
-    Positions equal slots here (a dense cache); ragged rows simply stop earlier.
-    """
-    b, width = ids.shape
-    chunk = fit_chunk(width, chunk or prefill_chunk(b))
-
-    def body(c, carry):
-        cache, last = carry
-        start = c * chunk
-        valid = jnp.clip(lens - start, 0, chunk)
-        tok = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
-        block = causal_block(cache.length, cache.length, valid, chunk)
-        select = jnp.clip(valid - 1, 0, chunk - 1)[:, None]
-        logits, cache = apply(graphdef, params, tok, cache, block, select)
-        ends_here = (valid > 0) & (lens <= start + chunk)
-        last = jnp.where(ends_here[:, None], logits[:, 0], last)
-        cache.length = cache.length + valid
-        return cache, last
-
-    last0 = jnp.zeros((b, vocab), jnp.float32)
-    cache, last = jax.lax.fori_loop(0, width // chunk, body, (cache, last0))
-    return last, cache
+    tokens: Int[Array, "b m"]
+    count: Int[Array, " b"]  # tokens emitted per row (stops growing after EOS)
+    done: Bool[Array, " b"]
+    steps: Int[Array, ""]  # loop iterations after the prefill
+    emitted: Int[Array, " b"]  # tokens produced per iteration, summed while the row is live
+    live_steps: Int[Array, " b"]  # iterations in which the row was live
 
 
 def is_eos(tok: Int[Array, "*b"], eos_ids: tuple[int, ...]) -> Bool[Array, "*b"]:
@@ -127,54 +75,266 @@ def is_eos(tok: Int[Array, "*b"], eos_ids: tuple[int, ...]) -> Bool[Array, "*b"]
     return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
 
 
-def loop_chunk(gpu_default: int) -> int:
-    """Loop iterations per check of the stop condition: ``gpu_default`` on GPU, 1 elsewhere
-    (where the check is cheap and iterations after the last row is done are pure waste);
-    ``JAXSPEC_LOOP_CHUNK`` overrides both (for measuring, and for the tests)."""
-    from jaxspec.errors import OptionError
-
-    raw = os.environ.get(LOOP_CHUNK_ENV, "").strip()
-    if raw:
-        if not raw.isdigit() or not 1 <= int(raw) <= 64:
-            raise OptionError(f"{LOOP_CHUNK_ENV} must be an integer from 1 to 64, got {raw!r}.")
-        return int(raw)
-    return gpu_default if jax.default_backend() == "gpu" else 1
+def first(tok: Int[Array, " b"], req: Request) -> Out:
+    """The output after the prefill's token."""
+    b = tok.shape[0]
+    zero = jnp.zeros((b,), jnp.int32)
+    tokens = jnp.zeros((b, req.max_new), jnp.int32).at[:, 0].set(tok)
+    done = is_eos(tok, req.eos) | (req.max_new <= 1)
+    return Out(tokens, zero + 1, done, jnp.zeros((), jnp.int32), zero, zero)
 
 
-# verifications per check of the stop condition on GPU for speculative loops at batch <= 8, where
-# a step is short (~1 ms) and the check's round trip shows; at larger batches a step is long and
-# a chunk would mostly add wasted verifications at the end
-SPEC_GPU_CHUNK = 4
+def emit(o: Out, new: Int[Array, "b w"], n_new: Int[Array, " b"], eos) -> Out:
+    """One iteration's output: ``n_new[b]`` tokens of ``new`` appended to live rows, stopping
+    after an EOS (kept) or at the output's end; the counters advanced."""
+    b, width = new.shape
+    m = o.tokens.shape[1]
+    i = jnp.arange(width)[None, :]
+    hit = is_eos(new, eos) & (i < n_new[:, None])
+    first_eos = jnp.min(jnp.where(hit, i, width), axis=1)
+    take = jnp.minimum(jnp.minimum(n_new, first_eos + 1), m - o.count)
+    live = ~o.done
+    take = jnp.where(live, take, 0)
+    dst = jnp.where(i < take[:, None], o.count[:, None] + i, m)
+    tokens = o.tokens.at[jnp.arange(b)[:, None], dst].set(new, mode="drop")
+    count = o.count + take
+    done = o.done | (first_eos < take) | (count >= m)
+    emitted = o.emitted + jnp.where(live, n_new, 0)
+    return Out(tokens, count, done, o.steps + 1, emitted, o.live_steps + live)
 
 
-def spec_chunk(batch: int) -> int:
-    return loop_chunk(SPEC_GPU_CHUNK if batch <= 8 else 1)
+def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int):
+    """The shared beginning of every engine: the target's cache (``capacity`` slots), its
+    prefill, the first token drawn and the output holding it. Returns (cache, token, out, key)."""
+    cache = init_cache(net.cfg, ids.shape[0], capacity, tflat[0].dtype)
+    logits, cache = prefill(net, tflat, cache, ids, lens)
+    key, sub = jax.random.split(key)
+    tok = sample(sub, logits, req.sampling)
+    return cache, tok, first(tok, req), key
 
 
 def until_done(step, s, chunk: int):
-    """``while not all(s.done): s = step(s)``, checking the condition every ``chunk`` iterations.
+    """``while not all(s.out.done): s = step(s)``, checking the condition every ``chunk``
+    iterations.
 
     On GPU a data-dependent ``lax.while_loop`` costs a device-to-host copy and a wait per
     iteration; a chunk pays it once per ``chunk`` steps. The steps a chunk runs after every row
     is done must change nothing (the engines mask emitting and cache growth by ``done``), and are
-    not counted in ``s.steps``.
+    not counted in ``out.steps``.
     """
     if chunk == 1:
-        return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, s)
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.out.done), step, s)
 
     def one(_, s):
-        active = ~jnp.all(s.done)
+        active = ~jnp.all(s.out.done)
         s = step(s)
-        s.steps = s.steps - 1 + active
+        s.out.steps = s.out.steps - 1 + active
         return s
 
     return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done), lambda s: jax.lax.fori_loop(0, chunk, one, s), s
+        lambda s: ~jnp.all(s.out.done), lambda s: jax.lax.fori_loop(0, chunk, one, s), s
     )
 
 
-def trim(out: np.ndarray, n: np.ndarray) -> list[list[int]]:
-    return [[int(x) for x in row[: int(k)]] for row, k in zip(out, n, strict=True)]
+# Loop iterations per check of the stop condition on a GPU: decode steps for autoregressive
+# decoding; verifications for speculative loops at batch <= 8, where a step is short (~1 ms) and
+# the check's round trip shows (at larger batches a chunk would mostly add wasted verifications).
+AR_GPU_CHUNK = 8
+SPEC_GPU_CHUNK = 4
+
+
+def spec_chunk(kernels: KernelConfig, batch: int) -> int:
+    return kernels.loop_steps(SPEC_GPU_CHUNK if batch <= 8 else 1)
+
+
+# ---------------------------------------------------------------- options
+
+
+def positive_int(name: str, value, *, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{name} must be a positive integer, got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise OptionError(f"{name} must be at most {maximum}, got {value}.")
+    return value
+
+
+def count_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OptionError(f"{name} must be an integer >= 0, got {value!r}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Base of every engine's options: ``parse`` rejects unknown names (listing the known
+    ones); each subclass checks its values in ``__post_init__``."""
+
+    @classmethod
+    def parse(cls, method: str, raw: Mapping[str, Any]):
+        known = tuple(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            allowed = ", ".join(known) if known else "none"
+            raise OptionError(
+                f"method={method!r} does not take option(s) {', '.join(unknown)}; it takes: "
+                f"{allowed}."
+            )
+        return cls(**raw)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOptions(EngineOptions):
+    """What shapes a draft (``spec.drafts.resolve``): the sparse budget of a self-draft or a
+    sparse draft model, and prompt lookup's n-gram."""
+
+    budget: int = 256
+    sinks: int = 4
+    window: int | None = None
+    obs: int = 16
+    pool: str = "max"
+    ngram: int = 3
+
+    def draft_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DraftOptions)}
+
+
+# ---------------------------------------------------------------- stats
+
+
+@dataclasses.dataclass
+class Stats(Mapping):
+    """A run's statistics, typed; also a read-only mapping (``stats["wall_s"]``) for code that
+    reads it as a dict. ``wall_s`` is the engine's own time from dispatch to the result
+    (compiles excluded, ``compile_s``); ``acceptance_length`` is tokens per target step of a live
+    row (1 for autoregressive)."""
+
+    method: str = ""
+    wall_s: float = 0.0
+    compile_s: float = 0.0
+    new_tokens: int = 0
+    tokens_per_s: float = 0.0
+    target_steps: int = 0
+    draft_steps: int = 0
+    acceptance_length: float = 1.0
+    tuning: dict | None = None  # what measure.tuning chose for open options, and from what
+
+    def __getitem__(self, key: str):
+        if key in self._names():
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(k for k in self._names() if getattr(self, k) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        names = cls.__dict__.get("_NAMES")
+        if names is None:
+            names = tuple(f.name for f in dataclasses.fields(cls))
+            cls._NAMES = names
+        return names
+
+    def to_dict(self) -> dict:
+        return {k: self[k] for k in self}
+
+
+@dataclasses.dataclass
+class SpecStats(Stats):
+    gamma: int | None = None
+
+
+@dataclasses.dataclass
+class TreeStats(Stats):
+    depth: int = 0
+    width: int = 0
+    branch: int = 0
+    bs: int = 0
+
+
+def loop_stats(cls, out: Out, *, wall_s, compile_s, draft_per_step: int, **fields) -> Stats:
+    """Stats of an on-device loop: ``out.steps`` iterations after the prefill; acceptance
+    length = tokens produced per iteration of a live row."""
+    steps = int(out.steps)
+    emitted, live = np.asarray(out.emitted), np.asarray(out.live_steps)
+    return cls(
+        wall_s=wall_s,
+        compile_s=compile_s,
+        target_steps=steps + 1,
+        draft_steps=steps * draft_per_step,
+        acceptance_length=float(emitted.sum() / max(live.sum(), 1)) if draft_per_step else 1.0,
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------- the engine interface
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A piece a measurement times, back to back in an on-device loop: ``step(prog, tflat, dflat,
+    state, aux) -> state`` keeps the state's context fixed (repeated steps cost the same) and
+    keeps what it computes alive in the state; ``prepare(prog, tflat, dflat, state) -> aux``
+    makes its input once, untimed (a verify's proposal). ``what`` names it for reports."""
+
+    step: Callable
+    what: str
+    prepare: Callable | None = None
+
+
+@dataclasses.dataclass
+class Run:
+    """What ``Engine.run`` returns: tokens ``[B, max_new]``, counts ``[B]`` and the stats."""
+
+    tokens: np.ndarray
+    count: np.ndarray
+    stats: Stats
+
+
+class Engine:
+    """One decoding method (see the module docstring)."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[EngineOptions]] = EngineOptions
+    needs_draft: ClassVar[bool] = True
+    init: ClassVar[Callable]  # (prog, tflat, dflat, ids, lens, seed) -> State
+    step: ClassVar[Callable]  # (prog, tflat, dflat, State) -> State
+    decode: ClassVar[Callable]  # (prog, tflat, dflat, ids, lens, seed) -> Out: the whole loop
+
+    def program(self, target: Model, draft, options, req: Request, kernels) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def run(self, prog, target: Model, draft: Weights | None, ids, lens, seed: int) -> Run:
+        raise NotImplementedError
+
+    def units(self, prog) -> dict[str, Unit]:
+        raise NotImplementedError
+
+    def shifted(self, prog, state, k: int):
+        """``state`` with its caches' contexts ``k`` tokens longer (a measurement times units
+        at the middle of a run's context); sparse caches and prompt lookup keep theirs."""
+        raise NotImplementedError
+
+    def open_choices(self, options) -> tuple[str, ...]:
+        """Options left for ``measure.tuning`` to choose by measuring (none by default)."""
+        return ()
+
+
+ENGINES: dict[str, Engine] = {}
+
+
+def register(engine: Engine) -> Engine:
+    ENGINES[engine.name] = engine
+    return engine
+
+
+# ---------------------------------------------------------------- the compile cache
 
 
 class Timer:
@@ -186,54 +346,48 @@ class Timer:
         self.s = time.perf_counter() - self.t0
 
 
-_COMPILED: dict = {}
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
 _COMPILE_LOCK = threading.Lock()
+MAX_PROGRAMS = 64
 
 
-def compiled(fn, *args, **static):
-    """Ahead-of-time compile ``fn`` (a ``jax.jit`` with ``static`` as its static arguments) once
-    per (static values, argument shapes/dtypes/shardings); returns (executable, compile seconds).
-
-    Engines time execution apart from compilation, so tokens/s never includes a compile.
-    """
-
-    def spec(x):
-        return (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x
-
-    leaves, treedef = jax.tree.flatten(args)
-    key = (fn, tuple(sorted(static.items())), treedef, tuple(spec(x) for x in leaves))
+def compiled(fn, static, args, key, *, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
+    """``fn(static, *args)`` compiled ahead of time, once per ``(fn, static, key)``, where
+    ``key`` stands for the arguments' shapes, dtypes and layouts (the weights' part precomputed:
+    ``Model.layout``); returns (executable, compile seconds: 0 when found). ``static`` is the
+    hashable program (a jit static argument). Least recently used programs beyond
+    ``MAX_PROGRAMS`` are dropped. ``donate``: positions in ``args`` whose buffers the program
+    may reuse (a state handed on)."""
+    full = (fn, static, key, donate)
     # one compile at a time: SwiftSpec's two worker threads compile concurrently otherwise, and
     # the engines subtract the summed compile seconds from their wall time
     with _COMPILE_LOCK:
-        if key in _COMPILED:
-            return _COMPILED[key], 0.0
-        # sharded weights (tensor parallel, or SwiftSpec's two-device program): the fused Pallas
-        # kernels (projections, attention) have no partitioning rule, so they stay out
-        with fused_kernels_for(leaves), Timer() as t:
-            exe = fn.lower(*args, **static).compile()
-        if len(_COMPILED) > 64:
-            _COMPILED.clear()
-        _COMPILED[key] = exe
+        exe = _COMPILED.get(full)
+        if exe is not None:
+            _COMPILED.move_to_end(full)
+            return exe, 0.0
+        with Timer() as t:
+            donated = tuple(i + 1 for i in donate)
+            jitted = jax.jit(fn, static_argnums=0, donate_argnums=donated)
+            exe = jitted.lower(static, *args).compile()
+        _COMPILED[full] = exe
+        while len(_COMPILED) > MAX_PROGRAMS:
+            _COMPILED.popitem(last=False)
     return exe, t.s
 
 
-def execute(fn, *args, **static):
-    """Compile ``fn`` once per shapes (cached), run it, wait: (outputs, wall_s, compile_s)."""
-    exe, compile_s = compiled(fn, *args, **static)
+def shapes_key(*arrays) -> tuple:
+    """The (shape, dtype) of small per-call arguments, for ``compiled``'s key."""
+    return tuple((np.shape(a), np.result_type(a).name) for a in arrays)
+
+
+def on_device(fn, prog, target: Weights, draft: Weights | None, ids, lens, seed: int):
+    """Run the on-device program ``fn(prog, tflat, dflat, ids, lens, seed)``: compiled once,
+    called, waited for. Returns (outputs as numpy, wall seconds, compile seconds)."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    key = (target.layout, None if draft is None else draft.layout, shapes_key(ids, lens, seed))
+    exe, compile_s = compiled(fn, prog, (target.flat, dflat, ids, lens, seed), key)
     with Timer() as t:
-        out = jax.block_until_ready(exe(*args))
+        out = jax.device_get(exe(target.flat, dflat, ids, lens, seed))
     return out, t.s, compile_s
-
-
-def speculative_stats(steps, emitted, live_steps, *, wall_s, compile_s, draft_per_step) -> dict:
-    """Stats of an on-device speculative loop: ``steps`` verifications after the prefill;
-    acceptance length = tokens produced per verification of a live row."""
-    return {
-        "wall_s": wall_s,
-        "compile_s": compile_s,
-        "target_steps": int(steps) + 1,
-        "draft_steps": int(steps) * draft_per_step,
-        "acceptance_length": float(
-            np.asarray(emitted).sum() / max(np.asarray(live_steps).sum(), 1)
-        ),
-    }

@@ -1,105 +1,72 @@
 """Chain speculation: the draft proposes gamma tokens, the target verifies them in one forward
-over gamma + 1 tokens, and the lossless rule (acceptance.accept_chain) keeps a prefix plus one
-token from the target. The whole loop runs on device."""
+over gamma + 1 tokens, and the lossless rule (``acceptance.accept_chain``) keeps a prefix plus
+one token from the target. The whole loop runs on device.
+
+Pieces: ``propose`` (the draft), ``verify`` (the target and the rule), ``commit`` (emit, both
+caches advanced along the accepted tokens); ``step`` is the three in a row.
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
-from jaxspec.config import ModelConfig
-from jaxspec.engines.base import (
-    execute,
-    is_eos,
-    prefill,
-    spec_chunk,
-    speculative_stats,
-    until_done,
-)
-from jaxspec.engines.options import positive_int, reject_unknown
-from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model.transformer import apply
+from jaxspec.engines import base
+from jaxspec.model.kv_cache import KVCache, advance, causal_block
+from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.spec import drafts
 from jaxspec.spec.acceptance import accept_chain, accept_chain_greedy
-from jaxspec.spec.sampling import Sampling, probs, sample
+from jaxspec.spec.sampling import probs
+
+MAX_GAMMA = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(base.DraftOptions):
+    gamma: int = 4
+
+    def __post_init__(self):
+        base.positive_int("gamma", self.gamma, maximum=MAX_GAMMA)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    net: Net
+    draft: object  # a resolved chain draft (spec.drafts)
+    gamma: int
+    req: base.Request
+    capacity: int
+    chunk: int
 
 
 @pytree_dataclass
 class State:
     cache: KVCache
     token: Int[Array, " b"]  # last emitted token, not yet in the target cache
-    out: Int[Array, "b m"]
-    count: Int[Array, " b"]
-    done: Bool[Array, " b"]
-    steps: Int[Array, ""]
-    emitted: Int[Array, " b"]  # tokens produced per verification, summed while the row is live
-    live_steps: Int[Array, " b"]
+    out: base.Out
     draft: object
     key: jax.Array
 
 
-def init_state(
-    tparams,
-    dparams,
-    ids,
-    lens,
-    key,
-    *,
-    graphdef,
-    cfg: ModelConfig,
-    draft,
-    max_new: int,
-    capacity: int,
-    room: int,
-    sampling: Sampling,
-    eos,
-) -> State:
-    b = ids.shape[0]
-    dtype = jax.tree.leaves(tparams)[0].dtype
-    cache = init_cache(cfg, b, capacity, dtype)
-    logits, cache = prefill(graphdef, tparams, cache, ids, lens, vocab=cfg.vocab_size)
-    key, sub = jax.random.split(key)
-    tok = sample(sub, logits, sampling)
-    dstate = draft.init(dparams, drafts.Prefill(ids, lens, cache, capacity, room), tok)
-    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
-    one = jnp.ones((b,), jnp.int32)
-    zero = jnp.zeros((b,), jnp.int32)
-    return State(
-        cache,
-        tok,
-        out,
-        one,
-        is_eos(tok, eos) | (max_new <= 1),
-        jnp.zeros((), jnp.int32),
-        zero,
-        zero,
-        dstate,
-        key,
+def init(prog: Program, tflat, dflat, ids, lens, seed) -> State:
+    cache, tok, out, key = base.start(
+        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity
     )
+    pre = drafts.Prefill(ids, lens, cache, prog.capacity, prog.gamma + 2)
+    return State(cache, tok, out, prog.draft.init(dflat, pre, tok), key)
 
 
-def emit(s_out, count, done, new_tokens, n_new, eos):
-    """Append ``n_new[b]`` tokens of ``new_tokens`` to live rows, stopping after an EOS or at
-    the output's end. Returns (out, count, done, appended)."""
-    b, width = new_tokens.shape
-    m = s_out.shape[1]
-    i = jnp.arange(width)[None, :]
-    hit = is_eos(new_tokens, eos) & (i < n_new[:, None])
-    first_eos = jnp.min(jnp.where(hit, i, width), axis=1)
-    take = jnp.minimum(jnp.minimum(n_new, first_eos + 1), m - count)
-    take = jnp.where(done, 0, take)
-    dst = jnp.where(i < take[:, None], count[:, None] + i, m)
-    out = s_out.at[jnp.arange(b)[:, None], dst].set(new_tokens, mode="drop")
-    count = count + take
-    done = done | (first_eos < take) | (count >= m)
-    return out, count, done, take
+def propose(prog: Program, dflat, s: State, key):
+    """The draft's gamma tokens ``x [b, gamma]``, the distributions they were drawn from ``q``
+    (one-hot for a greedy or deterministic draft), and its state with their K/V written."""
+    return prog.draft.propose(dflat, s.draft, key, prog.gamma, prog.req.sampling)
 
 
-def verify(tparams, cache: KVCache, token, x, q, key, *, graphdef, sampling):
+def verify(prog: Program, tflat, cache: KVCache, token, x, q, key):
     """The target over ``[token, x_1..x_gamma]`` (gamma + 1 positions), then the lossless chain
     rule: (accepted count, next token, cache with the block written, not yet committed). Greedy
     needs no ``q``: the rule is then the argmax match (``accept_chain_greedy``)."""
@@ -107,133 +74,109 @@ def verify(tparams, cache: KVCache, token, x, q, key, *, graphdef, sampling):
     block = causal_block(
         cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
     )
-    logits, cache = apply(graphdef, tparams, jnp.concatenate([token[:, None], x], 1), cache, block)
-    if sampling.greedy:  # the same outcome without [B, gamma + 1, V] one-hot rows and a draw
+    tokens = jnp.concatenate([token[:, None], x], 1)
+    logits, cache = apply(prog.net, tflat, tokens, cache, block)
+    if prog.req.sampling.greedy:  # no [B, gamma + 1, V] one-hot rows and no draw
         n_acc, nxt = accept_chain_greedy(x, jnp.argmax(logits, axis=-1))
     else:
-        n_acc, nxt = accept_chain(key, x, q, probs(logits, sampling))
+        n_acc, nxt = accept_chain(key, x, q, probs(logits, prog.req.sampling))
     return n_acc, nxt, cache
 
 
-def step(tparams, dparams, s: State, *, graphdef, draft, gamma: int, sampling, eos) -> State:
-    key, k_draft, k_accept = jax.random.split(s.key, 3)
-    x, q, dstate = draft.propose(dparams, s.draft, k_draft, gamma, sampling)
-    n_acc, nxt, cache = verify(
-        tparams, s.cache, s.token, x, q, k_accept, graphdef=graphdef, sampling=sampling
-    )
+def commit(prog: Program, s: State, x, n_acc, nxt, cache: KVCache, dstate, key) -> State:
+    """Emit the accepted tokens and the target's next one; the target's block joins its prefix
+    up to them (it is already in place); the draft commits the same."""
+    gamma = prog.gamma
     new = jnp.concatenate([x, nxt[:, None]], 1)
     new = jnp.where(jnp.arange(gamma + 1)[None, :] == n_acc[:, None], nxt[:, None], new)
-    live = ~s.done
-    out, count, done, _ = emit(s.out, s.count, s.done, new, n_acc + 1, eos)
-    cache.length = cache.length + jnp.where(live, n_acc + 1, 0)
-    dstate = draft.commit(dstate, x, n_acc, nxt)
-    return State(
-        cache,
-        nxt,
-        out,
-        count,
-        done,
-        s.steps + 1,
-        s.emitted + jnp.where(live, n_acc + 1, 0),
-        s.live_steps + live,
-        dstate,
-        key,
-    )
+    live = ~s.out.done
+    out = base.emit(s.out, new, n_acc + 1, prog.req.eos)
+    cache = advance(cache, jnp.where(live, n_acc + 1, 0))
+    dstate = prog.draft.commit(dstate, x, n_acc, nxt)
+    return State(cache, nxt, out, dstate, key)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "cfg",
-        "draft",
-        "gamma",
-        "max_new",
-        "capacity",
-        "sampling",
-        "eos",
-        "chunk",
-    ),
-)
-def decode(
-    tparams,
-    dparams,
-    ids,
-    lens,
-    key,
-    *,
-    graphdef,
-    cfg,
-    draft,
-    gamma,
-    max_new,
-    capacity,
-    sampling,
-    eos,
-    chunk=1,
-):
-    s = init_state(
-        tparams,
-        dparams,
-        ids,
-        lens,
-        key,
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        max_new=max_new,
-        capacity=capacity,
-        room=gamma + 2,
-        sampling=sampling,
-        eos=eos,
-    )
-    s = until_done(
-        lambda s: step(
-            tparams,
-            dparams,
-            s,
-            graphdef=graphdef,
-            draft=draft,
-            gamma=gamma,
-            sampling=sampling,
-            eos=eos,
-        ),
-        s,
-        chunk,
-    )
-    return s.out, s.count, s.steps, s.emitted, s.live_steps
+def step(prog: Program, tflat, dflat, s: State) -> State:
+    key, k_draft, k_accept = jax.random.split(s.key, 3)
+    x, q, dstate = propose(prog, dflat, s, k_draft)
+    n_acc, nxt, cache = verify(prog, tflat, s.cache, s.token, x, q, k_accept)
+    return commit(prog, s, x, n_acc, nxt, cache, dstate, key)
 
 
-OPTIONS = ("gamma", "budget", "sinks", "ngram")
+def decode(prog: Program, tflat, dflat, ids, lens, seed) -> base.Out:
+    s = init(prog, tflat, dflat, ids, lens, seed)
+    return base.until_done(lambda s: step(prog, tflat, dflat, s), s, prog.chunk).out
 
 
-def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
-    reject_unknown("chain", options, OPTIONS)
-    gamma = positive_int("gamma", options.pop("gamma", 4), maximum=64)
-    d, dparams = drafts.resolve(target, draft, "chain", **options)
-    return run_resolved(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed)
+# ---- measured units: each keeps its context fixed and its result alive in the state
 
 
-def run_resolved(target, d, dparams, ids, lens, gamma, max_new, sampling, eos, seed):
-    """The chain loop with a resolved draft (shared with MagicDec): (out, count, stats)."""
-    static = dict(
-        graphdef=target.graphdef,
-        cfg=target.config,
-        draft=d,
-        gamma=gamma,
-        max_new=max_new,
-        capacity=ids.shape[1] + max_new + gamma + 2,
-        sampling=sampling,
-        eos=eos,
-        chunk=spec_chunk(ids.shape[0]),
-    )
-    (out, count, steps, emitted, live), wall_s, compile_s = execute(
-        decode, target.params, dparams, ids, lens, jax.random.key(seed), **static
-    )
-    stats = {
-        **speculative_stats(
-            steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=gamma
-        ),
-        "gamma": gamma,
-    }
-    return out, count, stats
+def _keep(prog: Program, s: State, tokens) -> State:
+    """Fold ``tokens`` into the state (the last output slot; and the draft's state, which a
+    prompt lookup would otherwise see unchanged and the compiler hoist out of the timing loop)
+    so the work that made them stays in the program."""
+    extra = jnp.sum(tokens.reshape(tokens.shape[0], -1), axis=1).astype(jnp.int32)
+    out = dataclasses.replace(s.out, tokens=s.out.tokens.at[:, -1].add(extra))
+    return dataclasses.replace(s, out=out, draft=prog.draft.keep_alive(s.draft, extra))
+
+
+def _propose_unit(prog, tflat, dflat, s: State, aux) -> State:
+    x, q, dstate = propose(prog, dflat, s, s.key)
+    return _keep(prog, dataclasses.replace(s, draft=dstate), x + jnp.sum(q, -1).astype(jnp.int32))
+
+
+def _proposal(prog, tflat, dflat, s: State):
+    x, q, _ = propose(prog, dflat, s, s.key)
+    return x, q
+
+
+def _verify_unit(prog, tflat, dflat, s: State, aux) -> State:
+    x, q = aux
+    n_acc, nxt, cache = verify(prog, tflat, s.cache, s.token, x, q, s.key)
+    cache.length = s.cache.length
+    return _keep(prog, dataclasses.replace(s, cache=cache), n_acc + nxt)
+
+
+class Chain(base.Engine):
+    name = "chain"
+    Options = Options
+    init = staticmethod(init)
+    step = staticmethod(step)
+    decode = staticmethod(decode)
+
+    def program(self, target, draft, options: Options, req, kernels, *, resolved=None):
+        """``resolved``: an already resolved (draft, weights), as MagicDec passes."""
+        d, w = resolved or drafts.resolve(
+            target, draft, self.name, kernels=kernels, **options.draft_kwargs()
+        )
+        net = target.net(kernels)
+        capacity = req.width + req.max_new + options.gamma + 2
+        chunk = base.spec_chunk(net.kernels, req.batch)
+        return Program(net, d, options.gamma, req, capacity, chunk), w
+
+    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
+        out, wall_s, compile_s = base.on_device(
+            decode, prog, target.weights, draft, ids, lens, seed
+        )
+        stats = base.loop_stats(
+            base.SpecStats, out, wall_s=wall_s, compile_s=compile_s,
+            draft_per_step=prog.gamma, gamma=prog.gamma,
+        )  # fmt: skip
+        return base.Run(out.tokens, out.count, stats)
+
+    def units(self, prog):
+        kind = type(prog.draft).__name__
+        return {
+            "draft": base.Unit(_propose_unit, f"one propose of gamma={prog.gamma} ({kind})"),
+            "verify": base.Unit(
+                _verify_unit, f"one target verify of gamma + 1 = {prog.gamma + 1} tokens",
+                prepare=_proposal,
+            ),
+        }  # fmt: skip
+
+    def shifted(self, prog, s: State, k: int) -> State:
+        cache = advance(s.cache, jnp.full_like(s.cache.length, k))
+        return dataclasses.replace(s, cache=cache, draft=prog.draft.shifted(s.draft, k))
+
+
+ENGINE = base.register(Chain())

@@ -1,34 +1,29 @@
 """Serial tree speculation (SpecExec-style; the baseline SwiftSpec overlaps): the draft grows a
 tree by best-first expansion, the target verifies its best ``bs`` nodes in one tree-masked
 forward, ``accept_tree`` keeps the longest path the target's own draws follow plus one token,
-and both caches commit/re-root without recompute. The whole loop runs on device."""
+and both caches commit/re-root without recompute. The whole loop runs on device.
+
+Pieces: ``grow`` (the draft), ``snapshot`` (the verify block of the best ``bs`` nodes),
+``verify_and_commit`` (the target, the rule, the target's commit; shared with SwiftSpec's target
+worker) and the draft's ``commit`` (re-root); ``step`` is the four in a row.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec.engines.base import (
-    execute,
-    is_eos,
-    prefill,
-    spec_chunk,
-    speculative_stats,
-    until_done,
-)
-from jaxspec.engines.chain import emit
-from jaxspec.engines.options import positive_int, reject_unknown
-from jaxspec.model.kv_cache import KVCache, commit, init_cache
-from jaxspec.model.transformer import apply
+from jaxspec.engines import base
+from jaxspec.model.kv_cache import KVCache, advance, commit
+from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
-from jaxspec.spec import drafts, tree_drafts
 from jaxspec.spec import tree as T
+from jaxspec.spec import tree_drafts
 from jaxspec.spec.acceptance import accept_tree, accept_tree_greedy
-from jaxspec.spec.sampling import Sampling, probs, sample
+from jaxspec.spec.sampling import Sampling, probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,92 +36,90 @@ class TreeShape:
     branch: int = 4
     bs: int = 8
 
+    def __post_init__(self):
+        base.positive_int("depth", self.depth, maximum=32)
+        base.positive_int("width", self.width, maximum=64)
+        base.positive_int("branch", self.branch, maximum=16)
+        base.positive_int("bs", self.bs, maximum=128)
+
     @property
     def capacity(self) -> int:
         return 1 + self.depth * self.width * self.branch
 
-    @classmethod
-    def from_options(cls, options: dict) -> TreeShape:
-        d = cls()
-        return cls(
-            depth=positive_int("depth", options.pop("depth", d.depth), maximum=32),
-            width=positive_int("width", options.pop("width", d.width), maximum=64),
-            branch=positive_int("branch", options.pop("branch", d.branch), maximum=16),
-            bs=positive_int("bs", options.pop("bs", d.bs), maximum=128),
-        )
+
+@dataclasses.dataclass(frozen=True)
+class Options(base.DraftOptions):
+    depth: int = 4
+    width: int = 8
+    branch: int = 4
+    bs: int = 8
+
+    def __post_init__(self):
+        self.shape  # noqa: B018 (validates)
+
+    @property
+    def shape(self) -> TreeShape:
+        return TreeShape(self.depth, self.width, self.branch, self.bs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    net: Net
+    draft: object  # a resolved tree draft (spec.tree_drafts)
+    shape: TreeShape
+    req: base.Request
+    capacity: int
+    chunk: int
 
 
 @pytree_dataclass
 class State:
     cache: KVCache  # target; length == slot of the root (last emitted token)
-    out: Int[Array, "b m"]
-    count: Int[Array, " b"]
-    done: Bool[Array, " b"]
-    steps: Int[Array, ""]
-    emitted: Int[Array, " b"]
-    live_steps: Int[Array, " b"]
+    out: base.Out
     draft: object
     key: jax.Array
 
 
-def init_state(
-    tparams, dparams, ids, lens, key, *, graphdef, cfg, draft, max_new, capacity, sampling, eos
-) -> State:
-    b = ids.shape[0]
-    dtype = jax.tree.leaves(tparams)[0].dtype
-    cache = init_cache(cfg, b, capacity, dtype)
-    logits, cache = prefill(graphdef, tparams, cache, ids, lens, vocab=cfg.vocab_size)
-    key, sub = jax.random.split(key)
-    tok = sample(sub, logits, sampling)
-    dstate = draft.init(dparams, drafts.Prefill(ids, lens, cache, capacity, draft.capacity), tok)
-    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(tok)
-    zero = jnp.zeros((b,), jnp.int32)
-    return State(
-        cache,
-        out,
-        zero + 1,
-        is_eos(tok, eos) | (max_new <= 1),
-        jnp.zeros((), jnp.int32),
-        zero,
-        zero,
-        dstate,
-        key,
+def init(prog: Program, tflat, dflat, ids, lens, seed) -> State:
+    cache, tok, out, key = base.start(
+        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity
     )
+    pre = tree_drafts.Prefill(ids, lens, cache, prog.capacity, prog.draft.capacity)
+    return State(cache, out, prog.draft.init(dflat, pre, tok), key)
+
+
+def grow(prog: Program, dflat, dstate):
+    """The draft's tree grown by ``depth`` expansions."""
+    sh = prog.shape
+    return prog.draft.grow(dflat, dstate, expansions=sh.depth, width=sh.width, branch=sh.branch)
+
+
+def snapshot(tree: T.Tree, bs: int, root_slot, root_pos) -> T.TreeBlock:
+    """The best ``bs`` nodes of ``tree`` and its root, laid out as a verify block."""
+    idx, cnt = T.select_subtree(tree, bs)
+    return T.verify_layout(tree, idx, cnt, root_slot, root_pos)
 
 
 @pytree_dataclass
 class Verified:
     """A verify's outcome: accepted block slots, their number, the next token, and the target's
-    output bookkeeping with the root and the accepted path committed."""
+    output and cache with the root and the accepted path committed."""
 
     path: Int[Array, "b m"]
     n: Int[Array, " b"]
     next: Int[Array, " b"]
     cache: KVCache
-    out: Int[Array, "b o"]
-    count: Int[Array, " b"]
-    done: Bool[Array, " b"]
+    out: base.Out
     live: Bool[Array, " b"]  # rows that were live before this verify
 
 
 def verify_and_commit(
-    tparams,
-    cache: KVCache,
-    tb: T.TreeBlock,
-    key,
-    out,
-    count,
-    done,
-    *,
-    graphdef,
-    sampling: Sampling,
-    eos,
+    net: Net, tflat, cache: KVCache, tb: T.TreeBlock, key, out: base.Out, sampling: Sampling, eos
 ) -> Verified:
     """One target forward over the verify block ``tb``, the lossless tree rule (greedy: argmax
     walk; sampling: ``accept_tree``), the emitted tokens appended to live rows (EOS and length
-    limits respected), and the root plus the accepted path committed to the target cache.
-    Shared by the serial tree engine and SwiftSpec's target worker."""
-    logits, cache = apply(graphdef, tparams, tb.tokens, cache, tb.block)
+    limits respected), and the root plus the accepted path committed to the target cache."""
+    logits, cache = apply(net, tflat, tb.tokens, cache, tb.block)
     if sampling.greedy:
         target_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
         path, n, nxt = accept_tree_greedy(tb.tokens, tb.parent, tb.valid, target_tokens)
@@ -136,128 +129,93 @@ def verify_and_commit(
         [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
     )
     new = jnp.where(jnp.arange(new.shape[1])[None, :] == n[:, None], nxt[:, None], new)
-    live = ~done
-    out, count, done, _ = emit(out, count, done, new, n + 1, eos)
+    live = ~out.done
+    out = base.emit(out, new, n + 1, eos)
     src, cnt = T.verify_commit_src(cache.length, path, n)
-    cache = commit(cache, src, jnp.where(live, cnt, 0))
-    return Verified(path, n, nxt, cache, out, count, done, live)
+    cache = commit(cache, src, jnp.where(live, cnt, 0), mode=net.kernels.fused_commit)
+    return Verified(path, n, nxt, cache, out, live)
 
 
-def step(tparams, dparams, s: State, *, graphdef, draft, shape: TreeShape, sampling, eos):
+def step(prog: Program, tflat, dflat, s: State) -> State:
     key, k_verify = jax.random.split(s.key)
-    dstate = draft.grow(
-        dparams, s.draft, expansions=shape.depth, width=shape.width, branch=shape.branch
-    )
-    idx, cnt = T.select_subtree(dstate.tree, shape.bs)
-    tb = T.verify_layout(dstate.tree, idx, cnt, s.cache.length, s.cache.length)
+    dstate = grow(prog, dflat, s.draft)
+    tb = snapshot(dstate.tree, prog.shape.bs, s.cache.length, s.cache.length)
     v = verify_and_commit(
-        tparams,
-        s.cache,
-        tb,
-        k_verify,
-        s.out,
-        s.count,
-        s.done,
-        graphdef=graphdef,
-        sampling=sampling,
-        eos=eos,
+        prog.net, tflat, s.cache, tb, k_verify, s.out, prog.req.sampling, prog.req.eos
     )
-    dstate = draft.commit(dstate, tb, v.path, v.n, v.next)
-    emitted = s.emitted + jnp.where(v.live, v.n + 1, 0)
-    return State(
-        v.cache, v.out, v.count, v.done, s.steps + 1, emitted, s.live_steps + v.live, dstate, key
-    )
+    dstate = prog.draft.commit(dstate, tb, v.path, v.n, v.next)
+    return State(v.cache, v.out, dstate, key)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "cfg",
-        "draft",
-        "shape",
-        "max_new",
-        "capacity",
-        "sampling",
-        "eos",
-        "chunk",
-    ),
-)
-def decode(
-    tparams,
-    dparams,
-    ids,
-    lens,
-    key,
-    *,
-    graphdef,
-    cfg,
-    draft,
-    shape,
-    max_new,
-    capacity,
-    sampling,
-    eos,
-    chunk=1,
-):
-    s = init_state(
-        tparams,
-        dparams,
-        ids,
-        lens,
-        key,
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        max_new=max_new,
-        capacity=capacity,
-        sampling=sampling,
-        eos=eos,
-    )
-    s = until_done(
-        lambda s: step(
-            tparams,
-            dparams,
-            s,
-            graphdef=graphdef,
-            draft=draft,
-            shape=shape,
-            sampling=sampling,
-            eos=eos,
-        ),
-        s,
-        chunk,
-    )
-    return s.out, s.count, s.steps, s.emitted, s.live_steps
+def decode(prog: Program, tflat, dflat, ids, lens, seed) -> base.Out:
+    s = init(prog, tflat, dflat, ids, lens, seed)
+    return base.until_done(lambda s: step(prog, tflat, dflat, s), s, prog.chunk).out
 
 
-OPTIONS = ("depth", "width", "branch", "bs", "budget", "sinks", "ngram")
+# ---- measured units: each keeps its context fixed and its result alive in the state
 
 
-def run(target, draft, ids, lens, *, max_new, sampling, eos, seed, prompts, **options):
-    reject_unknown("tree", options, OPTIONS)
-    shape = TreeShape.from_options(options)
-    d, dparams = tree_drafts.resolve(target, draft, capacity=shape.capacity, **options)
-    capacity = ids.shape[1] + max_new + shape.capacity + 2
-    static = dict(
-        graphdef=target.graphdef,
-        cfg=target.config,
-        draft=d,
-        shape=shape,
-        max_new=max_new,
-        capacity=capacity,
-        sampling=sampling,
-        eos=eos,
-        chunk=spec_chunk(ids.shape[0]),
-    )
-    key = jax.random.key(seed)
-    (out, count, steps, emitted, live), wall_s, compile_s = execute(
-        decode, target.params, dparams, ids, lens, key, **static
-    )
-    stats = {
-        **speculative_stats(
-            steps, emitted, live, wall_s=wall_s, compile_s=compile_s, draft_per_step=shape.depth
-        ),
-        **dataclasses.asdict(shape),
-    }
-    return out, count, stats
+def _grow_unit(prog, tflat, dflat, s: State, aux) -> State:
+    dstate = grow(prog, dflat, s.draft)
+    return dataclasses.replace(s, draft=prog.draft.keep_alive(dstate, dstate.tree.token.sum(1)))
+
+
+def _grown_block(prog, tflat, dflat, s: State) -> T.TreeBlock:
+    return snapshot(grow(prog, dflat, s.draft).tree, prog.shape.bs, s.cache.length, s.cache.length)
+
+
+def _verify_unit(prog, tflat, dflat, s: State, aux) -> State:
+    v = verify_and_commit(prog.net, tflat, s.cache, aux, s.key, s.out, prog.req.sampling, ())
+    v.cache.length = s.cache.length
+    out = dataclasses.replace(s.out, tokens=v.out.tokens)  # the counters stay: a fixed context
+    return dataclasses.replace(s, cache=v.cache, out=out)
+
+
+def tree_stats(prog: Program, out: base.Out, wall_s: float, compile_s: float) -> base.TreeStats:
+    sh = prog.shape
+    return base.loop_stats(
+        base.TreeStats, out, wall_s=wall_s, compile_s=compile_s, draft_per_step=sh.depth,
+        depth=sh.depth, width=sh.width, branch=sh.branch, bs=sh.bs,
+    )  # fmt: skip
+
+
+class Tree(base.Engine):
+    name = "tree"
+    Options = Options
+    init = staticmethod(init)
+    step = staticmethod(step)
+    decode = staticmethod(decode)
+
+    def program(self, target, draft, options: Options, req, kernels, *, resolved=None):
+        """``resolved``: an already resolved (tree draft, weights), as MagicDec passes."""
+        shape = options.shape
+        d, w = resolved or tree_drafts.resolve(
+            target, draft, capacity=shape.capacity, kernels=kernels, **options.draft_kwargs()
+        )
+        net = target.net(kernels)
+        capacity = req.width + req.max_new + shape.capacity + 2
+        chunk = base.spec_chunk(net.kernels, req.batch)
+        return Program(net, d, shape, req, capacity, chunk), w
+
+    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
+        out, wall_s, compile_s = base.on_device(
+            decode, prog, target.weights, draft, ids, lens, seed
+        )
+        return base.Run(out.tokens, out.count, tree_stats(prog, out, wall_s, compile_s))
+
+    def units(self, prog):
+        sh, kind = prog.shape, type(prog.draft).__name__
+        return {
+            "draft": base.Unit(_grow_unit, f"one grow of depth={sh.depth} expansions ({kind})"),
+            "verify": base.Unit(
+                _verify_unit, f"one target verify of bs + 1 = {sh.bs + 1} tree nodes",
+                prepare=_grown_block,
+            ),
+        }  # fmt: skip
+
+    def shifted(self, prog, s: State, k: int) -> State:
+        cache = advance(s.cache, jnp.full_like(s.cache.length, k))
+        return dataclasses.replace(s, cache=cache, draft=prog.draft.shifted(s.draft, k))
+
+
+ENGINE = base.register(Tree())

@@ -219,7 +219,7 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
     import orbax.checkpoint as ocp
 
     from jaxspec.io.convert import _str_keys
-    from jaxspec.measure.bench import metadata
+    from jaxspec.provenance import metadata
 
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))

@@ -14,8 +14,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
-from jaxspec.io.weights import expected_shapes
-from jaxspec.model.transformer import Model
+from jaxspec.model.transformer import Model, param_shapes
 
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -75,7 +74,7 @@ def state_dict(model: Model) -> dict[str, np.ndarray]:
     cfg = model.config
     pure = nnx.to_pure_dict(model.params)
     out: dict[str, np.ndarray] = {}
-    for path in expected_shapes(cfg):
+    for path in param_shapes(cfg):
         node = pure
         for key in path:
             node = node[key]

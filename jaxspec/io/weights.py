@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.model.transformer import param_shapes
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # HF Linear weights are [out, in]; our kernels are [in, out].
@@ -44,30 +45,9 @@ def param_path(name: str) -> tuple[tuple, bool] | None:
     return None
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    out = {("embed_tokens",): (cfg.vocab_size, d), ("norm", "weight"): (d,)}
-    if not cfg.tie_word_embeddings:
-        out[("lm_head", "kernel")] = (d, cfg.vocab_size)
-    for i in range(cfg.num_layers):
-        p = ("layers", i)
-        out[(*p, "input_layernorm", "weight")] = (d,)
-        out[(*p, "post_attention_layernorm", "weight")] = (d,)
-        for name, shape in (("q_proj", (d, q)), ("k_proj", (d, kv)), ("v_proj", (d, kv))):
-            out[(*p, "self_attn", name, "kernel")] = shape
-            if cfg.qkv_bias:
-                out[(*p, "self_attn", name, "bias")] = (shape[1],)
-        out[(*p, "self_attn", "o_proj", "kernel")] = (q, d)
-        out[(*p, "mlp", "gate_proj", "kernel")] = (d, f)
-        out[(*p, "mlp", "up_proj", "kernel")] = (d, f)
-        out[(*p, "mlp", "down_proj", "kernel")] = (f, d)
-    return out
-
-
 def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict:
     """Build the nested parameter dict from (HF name, array) pairs, checking every shape."""
-    want = expected_shapes(cfg)
+    want = param_shapes(cfg)
     flat: dict[tuple, np.ndarray] = {}
     for name, arr in tensors:
         found = param_path(name)

@@ -24,89 +24,25 @@ fatal: bf16 arithmetic may differ; no time split).
 
 from __future__ import annotations
 
-import datetime
-import os
-import pathlib
-import platform
 import statistics
-import subprocess
 import sys
+import time
 
-import jax
 import numpy as np
+from tqdm import tqdm
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def metadata() -> dict:
-    """date, device, jax version, commit (``-dirty`` with uncommitted changes), command, and
-    ``xla_flags`` when ``XLA_FLAGS`` is set.
-
-    ``JAXSPEC_COMMIT`` wins when set: a copy of the tree on another machine (the GPU runs) may
-    carry a stale ``.git``."""
-    try:
-        if os.environ.get("JAXSPEC_COMMIT", "unknown") != "unknown":
-            raise OSError("commit given by JAXSPEC_COMMIT")
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        commit += "-dirty" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("JAXSPEC_COMMIT", "unknown")
-    dev = jax.devices()[0]
-    device = (
-        f"{dev.device_kind} x{jax.device_count()}"
-        if dev.platform != "cpu"
-        else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
-    )
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "device": device,
-        "jax": jax.__version__,
-        "commit": commit,
-        "command": _command(sys.argv),
-    }
-    if os.environ.get("XLA_FLAGS"):  # compiler options change the figures: keep them with them
-        meta["xla_flags"] = os.environ["XLA_FLAGS"]
-    # the model's kernel switches (JAXSPEC_FUSED_ATTENTION, ...) change them too; paths and
-    # labels do not
-    switches = {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if k.startswith("JAXSPEC_") and k not in _NOT_SWITCHES
-    }
-    if switches:
-        meta["jaxspec_env"] = switches
-    return meta
-
-
-_NOT_SWITCHES = ("JAXSPEC_COMMIT", "JAXSPEC_DEFAULT_GGUF", "JAXSPEC_LABEL", "JAXSPEC_DUMP_HLO")
-
-
-def _command(argv: list[str]) -> str:
-    """The command line as typed: ``jaxspec ...`` for the CLI (console script or ``python -m
-    jaxspec.cli``), else ``python SCRIPT ...``."""
-    head = argv[0] if argv else ""
-    if pathlib.Path(head).name == "jaxspec" or head.endswith(("jaxspec/cli.py", "jaxspec.cli")):
-        return " ".join(["jaxspec", *argv[1:]])
-    return " ".join(["python", *argv])  # the interpreter's own name (python3.13, ...) is noise
+from jaxspec.api import METHODS, generate
+from jaxspec.engines import ENGINES
+from jaxspec.errors import OptionError
+from jaxspec.measure import time_split as ts
+from jaxspec.measure.peers import PEERS, run_peer
+from jaxspec.prompts import encode_prompts
+from jaxspec.provenance import metadata
 
 
 def _taken(method: str) -> tuple[str, ...]:
     """The options a method's engine takes."""
-    import importlib
-
-    return getattr(importlib.import_module(f"jaxspec.engines.{method}"), "OPTIONS", ())
+    return ENGINES[method].Options.names()
 
 
 def _draft_name(draft) -> str | None:
@@ -117,23 +53,20 @@ def _draft_name(draft) -> str | None:
 
 
 def _method_rows(
-    target, method, draft, prompts, ids, *, batch, max_new, options, bar, over, split, reps
-):
-    from jaxspec.api import generate
-    from jaxspec.engines.base import pad_prompts
-    from jaxspec.measure import time_split
-    from jaxspec.spec.sampling import Sampling
-
+    target, method, draft, prompts, ids, *, batch, max_new, options, bar, over, split, reps,
+    kernels=None,
+):  # fmt: skip
     options = {k: v for k, v in options.items() if k in _taken(method)}
     kw = dict(
         method=method,
         draft=draft if method != "autoregressive" else None,
         max_new_tokens=max_new,
+        kernels=kernels,
         **options,
     )
     first = generate(target, ids[:batch], **kw)  # compile (excluded)
     rows, wall, new, accs, handoff, tokens = [], 0.0, 0, [], 0.0, []
-    units: dict = {}  # time-split units per run shape
+    units: dict = {}  # time-split units per run program and shape
     splits, used, counts = [], [], {"runs": 0, "loop_steps": 0, "draft_steps": 0}
     for start in range(0, len(ids), batch):
         if rows and over():
@@ -147,24 +80,12 @@ def _method_rows(
         handoff += s.get("handoff_s", 0.0)
         share = None
         if split:
-            padded, lens = pad_prompts(chunk)  # the shapes the engine ran
-            key = time_split.shape_key(method, padded, s)
+            key = ts.shape_key(r.call)
             if key not in units:
-                units[key] = time_split.measure(
-                    target,
-                    method,
-                    kw["draft"],
-                    padded,
-                    lens,
-                    s,
-                    max_new=max_new,
-                    options=options,
-                    sampling=Sampling(),  # the bench decodes greedily, as generate's default
-                    reps=reps,
-                )
-            splits.append(time_split.attribute(s, units[key], method))
+                units[key] = ts.measure(r.call, reps=reps)
+            splits.append(ts.attribute(s, units[key], method))
             used.append(units[key])
-            share = time_split.fractions(splits[-1])
+            share = ts.fractions(splits[-1])
             counts["runs"] += 1
             counts["loop_steps"] += int(s.get("verify_steps", s["target_steps"] - 1))
             counts["draft_steps"] += int(s.get("draft_steps", 0))
@@ -200,7 +121,7 @@ def _method_rows(
             "run": round(wall, 6),
             **({"handoff": round(handoff, 6)} if method == "swiftspec" else {}),
         },
-        **({"time_split": time_split.summarize(splits, used, counts)} if splits else {}),
+        **({"time_split": ts.summarize(splits, used, counts)} if splits else {}),
         "new_tokens": new,
         **({"truncated": True} if len(rows) < len(ids) else {}),
         "per_prompt": rows,
@@ -263,6 +184,7 @@ def run(
     clock=None,
     time_split: bool = True,
     split_reps: int = 3,
+    kernels=None,
 ) -> dict:
     """Run every method, then every peer, over the prompts; returns the JSON-ready result.
 
@@ -273,15 +195,6 @@ def run(
     measure each method's draft / verify / handoff / prefill / host split (``split_reps``
     timed calls per component and run shape; costs extra time outside every wall).
     """
-    import time
-
-    from tqdm import tqdm
-
-    from jaxspec.api import METHODS
-    from jaxspec.errors import OptionError
-    from jaxspec.measure.peers import PEERS, run_peer
-    from jaxspec.prompts import encode_prompts
-
     if not methods:
         raise OptionError(f"give at least one method among {', '.join(METHODS)}.")
     bad = [m for m in methods if m not in METHODS]
@@ -320,6 +233,7 @@ def run(
             "max_new_tokens": max_new_tokens,
             "batch": batch,
             "time_split": time_split,
+            "kernels": target.net(kernels).kernels.describe(),
             **({"budget_s": budget_s} if budget_s is not None else {}),
             "methods": rows,
         }
@@ -369,6 +283,7 @@ def run(
                 over=over,
                 split=time_split,
                 reps=split_reps,
+                kernels=kernels,
             )
         bar.close()
         results.append(row)

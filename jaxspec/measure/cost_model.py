@@ -16,42 +16,40 @@ the best ``bs`` nodes plus the root (T_V(bs)), and yields the measured tree acce
 
     T_tree / T_AR = (depth * T_E / T_T + T_V(bs) / T_T) / L
 
-``choose_shape`` compares it with the best chain. ``measure_tree`` measures T_E, T_V(bs) and L
-with the tree engine's own pieces.
+``choose_shape`` compares it with the best chain.
 
 A batch decodes until its slowest row is done (every row makes max_new tokens; finished rows
 idle), so a batch's time is set by the row that accepts least, not by the mean. MagicDec's alpha
 is the mean; the choice here uses the slowest row's (``Measurement.batch_alpha``, from the
 per-row acceptance of the same short run; at batch 1 the two agree). On two H200s the mean-alpha
 model predicted 1.26x where 0.71x was measured at batch 128, prefix 2K: the loop ran 47 steps
-while the mean row needed 27 (``benchmarks/notes/magicdec.md``).
+while the mean row needed 27 (benchmarks/RESULTS.md, MagicDec).
 
-Inputs come from ``measure`` (this machine: the engines' own pieces on random prompts of the
-batch and prefix, each timed back to back in an on-device loop as the engines run them; alpha
-from a short chain run) or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per
-forward against its bandwidth and peak). Times are in milliseconds.
+Inputs come from ``measure`` / ``measure_tree`` (this machine: the engines' own units, timed by
+``measure.units`` at the batch and prefix: the autoregressive engine's decode step for T_T, the
+chain engine's propose (gamma = 1) for T_D and its verify for T_V(gamma), the tree engine's grow
+(depth = 1) for T_E and its verify for T_V(bs); alpha and L from short runs of those engines)
+or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per forward against its
+bandwidth and peak). Times are in milliseconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.kernels import traced_for_layout
-from jaxspec.timing import loop_ms, repeat
+from jaxspec.engines import autoregressive, base, chain, magicdec, tree
+from jaxspec.engines.magicdec import alpha_from_acceptance_length, omega
+from jaxspec.measure import units
+from jaxspec.model.prefill import pad_prompts
+from jaxspec.model.transformer import Model
+from jaxspec.spec import tree_drafts
+from jaxspec.spec.sampling import Sampling
 
-
-def omega(gamma: int, alpha: float) -> float:
-    """Expected tokens per verification: (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+GREEDY = Sampling()
 
 
 def relative_time(gamma: int, alpha: float, t_d: float, t_t: float, t_v: float) -> float:
@@ -73,20 +71,6 @@ def choose_gamma(
     tv = t_v.__getitem__ if isinstance(t_v, dict) else t_v
     best = min(gammas, key=lambda g: (relative_time(g, alpha, t_d, t_t, tv(g)), g))
     return best, 1.0 / relative_time(best, alpha, t_d, t_t, tv(best))
-
-
-def alpha_from_acceptance_length(length: float, gamma: int) -> float:
-    """The alpha whose Omega(gamma, alpha) equals a measured acceptance length (tokens per
-    verification), by bisection; clipped to [0, 1]."""
-    if length >= gamma + 1:
-        return 1.0
-    if length <= 1.0:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if omega(gamma, mid) < length else (lo, mid)
-    return (lo + hi) / 2
 
 
 def tree_relative_time(depth: int, t_e: float, t_t: float, t_v: float, length: float) -> float:
@@ -156,7 +140,7 @@ def analytic_times(
 
 
 # ---------------------------------------------------------------------------------------------
-# measurement
+# measurement through the engines' units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,177 +167,6 @@ class Measurement:
         return choose_gamma(self.t_d, self.t_t, self.t_v, self.batch_alpha, gammas)
 
 
-def slowest_row_length(emitted, live) -> float:
-    """Tokens per verification of the row that made fewest (rows that verified at all)."""
-    emitted, live = np.asarray(emitted, np.float64), np.asarray(live, np.float64)
-    rows = live > 0
-    return float((emitted[rows] / live[rows]).min()) if rows.any() else 1.0
-
-
-# The timed steps: ``looped(step, **static)`` runs k of them in one on-device loop
-# (timing.repeat; timing.loop_ms times it), the state donated as in the engines' loops, so a
-# timing counts neither a copy of the cache nor the ~1 ms a single host call of a small model
-# costs besides its device work. Lengths are kept, so steps repeat; the tokens are summed into
-# the state so that the LM head and the sampling stay in the program.
-
-
-def verify_step(st, tparams, token, x, q, key, *, graphdef, sampling):
-    """T_V: the chain engine's own verify (the target over gamma + 1 tokens, then the rule);
-    ``st = (cache, token sum)``."""
-    from jaxspec.engines.chain import verify
-
-    cache, acc = st
-    n, nxt, cache = verify(tparams, cache, token, x, q, key, graphdef=graphdef, sampling=sampling)
-    return cache, acc + n + nxt
-
-
-def ar_step(s, tparams, *, graphdef, sampling):
-    """T_T: one autoregressive step (``autoregressive.State``)."""
-    from jaxspec.engines import autoregressive
-
-    out = autoregressive.step(graphdef, tparams, s, sampling=sampling, eos=())
-    out.cache.length = s.cache.length
-    return out
-
-
-def draft_step(st, dparams, key, *, draft, sampling):
-    """T_D: one draft forward (``propose`` with gamma = 1); ``st = (draft state, token sum)``."""
-    dstate, acc = st
-    x, _, dstate = draft.propose(dparams, dstate, key, 1, sampling)
-    return dstate, acc + x[:, 0]
-
-
-@functools.cache
-def looped(step, **static):
-    """The jitted ``timing.repeat`` of ``step`` with its static arguments (one per pair)."""
-    return jax.jit(repeat(functools.partial(step, **static)), donate_argnums=(0,))
-
-
-@traced_for_layout
-def measure(
-    target,
-    draft,
-    batch: int,
-    prefix: int,
-    gammas: Iterable[int] = range(1, 9),
-    *,
-    dparams=None,
-    ids=None,
-    lens=None,
-    alpha_gamma: int = 4,
-    alpha_tokens: int = 32,
-    reps: int = 5,
-    seed: int = 0,
-) -> Measurement:
-    """Time T_T, T_D and T_V(gamma) on random prompts of ``batch`` x ``prefix`` with the engines'
-    own pieces (autoregressive.step, the draft's propose, the chain verify), and alpha from a
-    short greedy chain run at ``alpha_gamma`` (on ``ids``/``lens`` when given, else on the
-    random prompts).
-
-    ``draft``: a resolved draft object with ``dparams``, or anything ``drafts.resolve`` takes."""
-    from jaxspec.engines import autoregressive, chain
-    from jaxspec.engines.base import execute
-    from jaxspec.spec import drafts
-    from jaxspec.spec.sampling import Sampling
-
-    if not hasattr(draft, "propose"):
-        draft, dparams = drafts.resolve(target, draft, "magicdec")
-    gammas = sorted(set(gammas))
-    cfg, graphdef, tparams = target.config, target.graphdef, target.params
-    greedy = Sampling(0.0, 1.0, 0)
-    rng = np.random.RandomState(seed)
-    rand_ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, prefix)), jnp.int32)
-    rand_lens = jnp.full((batch,), prefix, jnp.int32)
-    top = max(gammas)
-    capacity = prefix + top + 2
-    init = jax.jit(
-        chain.init_state,
-        static_argnames=(
-            "graphdef",
-            "cfg",
-            "draft",
-            "max_new",
-            "capacity",
-            "room",
-            "sampling",
-            "eos",
-        ),
-    )
-    s = init(
-        tparams,
-        dparams,
-        rand_ids,
-        rand_lens,
-        jax.random.key(seed),
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        max_new=2,
-        capacity=capacity,
-        room=top + 2,
-        sampling=greedy,
-        eos=(),
-    )
-    key = jax.random.key(seed + 1)
-
-    # T_T: one autoregressive step
-    ar = autoregressive.State(
-        s.cache,
-        s.token,
-        jnp.zeros((batch, 2), jnp.int32),
-        jnp.ones((batch,), jnp.int32),
-        jnp.zeros((batch,), bool),
-        jnp.zeros((), jnp.int32),
-        key,
-    )
-    t_t = loop_ms(looped(ar_step, graphdef=graphdef, sampling=greedy), ar, tparams, reps=reps)
-
-    # T_D: one draft step (propose with gamma = 1 is exactly one draft forward)
-    zero = jnp.zeros((batch,), jnp.int32)
-    run = looped(draft_step, draft=draft, sampling=greedy)
-    t_d = loop_ms(run, (s.draft, zero), dparams, key, reps=reps)
-
-    # T_V(gamma): one verify of gamma + 1 tokens
-    t_v = {}
-    run = looped(verify_step, graphdef=graphdef, sampling=greedy)
-    for g in gammas:
-        x = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, g)), jnp.int32)
-        q = jax.nn.one_hot(x, cfg.vocab_size, dtype=jnp.float32)
-        t_v[g] = loop_ms(run, (s.cache, zero), tparams, s.token, x, q, key, reps=reps)
-
-    # alpha: a short greedy chain run
-    if ids is None:
-        ids, lens = rand_ids, rand_lens
-    (_, _, _, emitted, live), _, _ = execute(
-        chain.decode,
-        tparams,
-        dparams,
-        ids,
-        lens,
-        jax.random.key(seed),
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        gamma=alpha_gamma,
-        max_new=alpha_tokens,
-        capacity=ids.shape[1] + alpha_tokens + alpha_gamma + 2,
-        sampling=greedy,
-        eos=(),
-    )
-    length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
-    return Measurement(
-        batch=batch,
-        prefix=prefix,
-        t_t=t_t,
-        t_d=t_d,
-        t_v=t_v,
-        alpha=alpha_from_acceptance_length(length, alpha_gamma),
-        alpha_gamma=alpha_gamma,
-        acceptance_length=length,
-        slowest_length=slowest_row_length(emitted, live),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class TreeMeasurement:
     depth: int
@@ -370,122 +183,147 @@ class TreeMeasurement:
         return tree_relative_time(self.depth, self.t_e, t_t, self.t_v, length)
 
 
-def choose_shape(
-    chain: Measurement, tree: TreeMeasurement | None = None, gammas: Iterable[int] | None = None
-) -> tuple[str, int | None, float]:
-    """("chain", gamma, speedup) or ("tree", None, speedup): the shape the cost model predicts
-    fastest (ties: the chain) and its predicted speedup T_AR / T_SD."""
-    gamma, speedup = chain.choose(gammas)
-    if tree is not None:
-        tree_speedup = 1.0 / tree.relative_time(chain.t_t)
-        if tree_speedup > speedup:
-            return "tree", None, tree_speedup
-    return "chain", gamma, speedup
+def slowest_row_length(emitted, live) -> float:
+    """Tokens per verification of the row that made fewest (rows that verified at all)."""
+    emitted, live = np.asarray(emitted, np.float64), np.asarray(live, np.float64)
+    rows = live > 0
+    return float((emitted[rows] / live[rows]).min()) if rows.any() else 1.0
 
 
-def tree_verify_step(cache, tparams, tb, key, out, count, done, *, graphdef, sampling, eos):
-    """T_V(bs) of a tree: the tree engine's verify of a laid-out block, then its commit."""
-    from jaxspec.engines.tree import verify_and_commit
-
-    v = verify_and_commit(
-        tparams, cache, tb, key, out, count, done, graphdef=graphdef, sampling=sampling, eos=eos
+def _random_prompts(cfg, batch: int, prefix: int, seed: int):
+    rng = np.random.RandomState(seed)
+    return (
+        rng.randint(0, cfg.vocab_size, (batch, prefix)).astype(np.int32),
+        np.full((batch,), prefix, np.int32),
     )
-    v.cache.length = cache.length
-    return v.cache
 
 
-def grow_step(dstate, dparams, *, draft, width, branch):
-    """T_E: one expansion of a tree draft."""
-    return draft.grow(dparams, dstate, expansions=1, width=width, branch=branch)
+def _request(batch: int, width: int, max_new: int) -> base.Request:
+    return base.Request(batch, width, max_new, GREEDY, ())
 
 
-@traced_for_layout
+def _timed(engine, prog, tw, dw, ids, lens, unit: str, reps: int) -> float:
+    dflat = None if dw is None else dw.flat
+    s = units.initial(engine, prog, tw.flat, dflat, ids, lens)
+    u = engine.units(prog)[unit]
+    return units.unit_ms(u, prog, tw.flat, dflat, s, reps=reps)
+
+
+def _short_run(engine, prog, target, dw, ids, lens):
+    """A short greedy run's (mean tokens per verification, slowest row's)."""
+    out, _, _ = base.on_device(engine.decode, prog, target.weights, dw, ids, lens, 0)
+    length = float(np.asarray(out.emitted).sum() / max(np.asarray(out.live_steps).sum(), 1))
+    return length, slowest_row_length(out.emitted, out.live_steps)
+
+
+def measure(
+    target,
+    draft,
+    batch: int,
+    prefix: int,
+    gammas: Iterable[int] = magicdec.GAMMAS,
+    *,
+    options: magicdec.Options | None = None,
+    kernels=None,
+    ids=None,
+    lens=None,
+    alpha_gamma: int = 4,
+    alpha_tokens: int = 32,
+    reps: int = 5,
+    seed: int = 0,
+) -> Measurement:
+    """T_T, T_D and T_V(gamma) on random prompts of ``batch`` x ``prefix`` through the engines'
+    units, and alpha from a short greedy chain run at ``alpha_gamma`` (on ``ids``/``lens`` when
+    given, else on the random prompts). ``draft``: what ``generate`` takes for magicdec;
+    ``options``: its draft options (budget, sinks, ...)."""
+    options = options or magicdec.Options(gamma=max(gammas))
+    d, dw = magicdec.resolve_draft(target, draft, options, kernels)
+    gammas = sorted(set(gammas))
+    rand_ids, rand_lens = _random_prompts(target.config, batch, prefix, seed)
+    tw = target.weights
+    req = _request(batch, prefix, 2)
+    ar, _ = autoregressive.ENGINE.program(target, None, autoregressive.Options(), req, kernels)
+    t_t = _timed(autoregressive.ENGINE, ar, tw, None, rand_ids, rand_lens, "verify", reps)
+
+    def chain_prog(g, r=req):
+        opts = magicdec.chain_options(options, g)
+        return chain.ENGINE.program(target, None, opts, r, kernels, resolved=(d, dw))[0]
+
+    t_d = _timed(chain.ENGINE, chain_prog(1), tw, dw, rand_ids, rand_lens, "draft", reps)
+    t_v = {
+        g: _timed(chain.ENGINE, chain_prog(g), tw, dw, rand_ids, rand_lens, "verify", reps)
+        for g in gammas
+    }
+    if ids is None:
+        ids, lens = rand_ids, rand_lens
+    run_prog = chain_prog(alpha_gamma, _request(ids.shape[0], ids.shape[1], alpha_tokens))
+    length, slowest = _short_run(chain.ENGINE, run_prog, target, dw, ids, lens)
+    return Measurement(
+        batch=batch,
+        prefix=prefix,
+        t_t=t_t,
+        t_d=t_d,
+        t_v=t_v,
+        alpha=alpha_from_acceptance_length(length, alpha_gamma),
+        alpha_gamma=alpha_gamma,
+        acceptance_length=length,
+        slowest_length=slowest,
+    )
+
+
 def measure_tree(
     target,
     draft,
-    shape,
+    shape: tree.TreeShape,
     batch: int,
     prefix: int,
     *,
-    dparams,
+    options: magicdec.Options | None = None,
+    kernels=None,
     ids=None,
     lens=None,
     tokens: int = 32,
     reps: int = 5,
     seed: int = 0,
 ) -> TreeMeasurement:
-    """Time one draft expansion (T_E) and one target verify of the ``shape.bs`` best nodes
-    (T_V(bs)) on random prompts of ``batch`` x ``prefix`` with the tree engine's own pieces, and
-    the tree acceptance length from a short greedy tree run (on ``ids``/``lens`` when given).
+    """T_E (the tree engine's grow of one expansion) and T_V(bs) (its verify of the best bs
+    nodes) on random prompts of ``batch`` x ``prefix``, and the tree acceptance length from a
+    short greedy tree run (on ``ids``/``lens`` when given)."""
+    options = options or magicdec.Options(shape="tree", depth=shape.depth)
+    d, dw = magicdec.resolve_draft(target, draft, options, kernels)
+    rand_ids, rand_lens = _random_prompts(target.config, batch, prefix, seed)
+    tw = target.weights
 
-    ``draft``: a tree draft (``tree_drafts.ModelTreeDraft``) with ``dparams``; ``shape``: a
-    ``engines.tree.TreeShape``."""
-    from jaxspec.engines import tree as tree_engine
-    from jaxspec.engines.base import execute
-    from jaxspec.spec import tree as T
-    from jaxspec.spec.sampling import Sampling
+    def tree_prog(sh, r):
+        td = tree_drafts.tree_form(d, sh.capacity)
+        opts = magicdec.tree_options(dataclasses.replace(options, **dataclasses.asdict(sh)))
+        return tree.ENGINE.program(target, None, opts, r, kernels, resolved=(td, dw))[0]
 
-    cfg, graphdef, tparams = target.config, target.graphdef, target.params
-    greedy = Sampling(0.0, 1.0, 0)
-    rng = np.random.RandomState(seed)
-    rand_ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch, prefix)), jnp.int32)
-    rand_lens = jnp.full((batch,), prefix, jnp.int32)
-    init = jax.jit(
-        tree_engine.init_state,
-        static_argnames=("graphdef", "cfg", "draft", "max_new", "capacity", "sampling", "eos"),
-    )
-    s = init(
-        tparams,
-        dparams,
-        rand_ids,
-        rand_lens,
-        jax.random.key(seed),
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        max_new=2,
-        capacity=prefix + shape.capacity + 2,
-        sampling=greedy,
-        eos=(),
-    )
-    grow = jax.jit(draft.grow, static_argnames=("expansions", "width", "branch"))
-    dims = dict(width=shape.width, branch=shape.branch)
-    grown = grow(dparams, s.draft, expansions=shape.depth, **dims)
-    t_e = loop_ms(looped(grow_step, draft=draft, **dims), s.draft, dparams, reps=reps)
-    idx, cnt = T.select_subtree(grown.tree, shape.bs)
-    tb = T.verify_layout(grown.tree, idx, cnt, s.cache.length, s.cache.length)
-    key = jax.random.key(seed + 1)
-    run = looped(tree_verify_step, graphdef=graphdef, sampling=greedy, eos=())
-    t_v = loop_ms(run, s.cache, tparams, tb, key, s.out, s.count, s.done, reps=reps)
+    req = _request(batch, prefix, 2)
+    one = dataclasses.replace(shape, depth=1)
+    t_e = _timed(tree.ENGINE, tree_prog(one, req), tw, dw, rand_ids, rand_lens, "draft", reps)
+    t_v = _timed(tree.ENGINE, tree_prog(shape, req), tw, dw, rand_ids, rand_lens, "verify", reps)
     if ids is None:
         ids, lens = rand_ids, rand_lens
-    (_, _, _, emitted, live), _, _ = execute(
-        tree_engine.decode,
-        tparams,
-        dparams,
-        ids,
-        lens,
-        jax.random.key(seed),
-        graphdef=graphdef,
-        cfg=cfg,
-        draft=draft,
-        shape=shape,
-        max_new=tokens,
-        capacity=ids.shape[1] + tokens + shape.capacity + 2,
-        sampling=greedy,
-        eos=(),
-    )
-    length = float(np.asarray(emitted).sum() / max(np.asarray(live).sum(), 1))
+    run_prog = tree_prog(shape, _request(ids.shape[0], ids.shape[1], tokens))
+    length, slowest = _short_run(tree.ENGINE, run_prog, target, dw, ids, lens)
     return TreeMeasurement(
-        shape.depth,
-        shape.width,
-        shape.branch,
-        shape.bs,
-        t_e,
-        t_v,
-        acceptance_length=length,
-        slowest_length=slowest_row_length(emitted, live),
-    )
+        shape.depth, shape.width, shape.branch, shape.bs, t_e, t_v,
+        acceptance_length=length, slowest_length=slowest,
+    )  # fmt: skip
+
+
+def choose_shape(
+    chain_m: Measurement, tree_m: TreeMeasurement | None = None, gammas=None
+) -> tuple[str, int | None, float]:
+    """("chain", gamma, speedup) or ("tree", None, speedup): the shape the cost model predicts
+    fastest (ties: the chain) and its predicted speedup T_AR / T_SD."""
+    gamma, speedup = chain_m.choose(gammas)
+    if tree_m is not None:
+        tree_speedup = 1.0 / tree_m.relative_time(chain_m.t_t)
+        if tree_speedup > speedup:
+            return "tree", None, tree_speedup
+    return "chain", gamma, speedup
 
 
 def prefix_bucket(length: int) -> int:
@@ -493,25 +331,134 @@ def prefix_bucket(length: int) -> int:
     return max(16, 1 << max(int(length) - 1, 0).bit_length())
 
 
-__all__ = [
-    "Measurement",
-    "TreeMeasurement",
-    "alpha_from_acceptance_length",
-    "analytic_times",
-    "ar_step",
-    "choose_gamma",
-    "choose_shape",
-    "draft_step",
-    "forward_ms",
-    "grow_step",
-    "looped",
-    "measure",
-    "measure_tree",
-    "omega",
-    "param_counts",
-    "prefix_bucket",
-    "relative_time",
-    "tree_relative_time",
-    "tree_verify_step",
-    "verify_step",
-]
+def middle(gammas) -> int:
+    """The gamma alpha is measured at: the middle of the candidates (alpha, the per-token
+    acceptance rate, hardly depends on it)."""
+    g = sorted(gammas)
+    return g[len(g) // 2]
+
+
+def tune(target, draft, options: magicdec.Options, ids, lens, kernels, progress=None):
+    """MagicDec's open choices (``gamma="auto"``, ``shape="auto"``) by the cost model, measured
+    once per (draft, batch, prefix bucket) and kept with the target model: (options with the
+    chosen shape and gamma, what was chosen and from what)."""
+    shape = options.resolved_shape
+    gammas = tuple(magicdec.GAMMAS) if options.gamma == "auto" else (options.gamma,)
+    d, _ = magicdec.resolve_draft(target, draft, options, kernels)
+    b, bucket = ids.shape[0], prefix_bucket(int(np.max(lens)))
+    # kept with the draft's model (the target itself for a self-draft): alpha depends on both
+    owner = draft if isinstance(draft, Model) else target
+    key = ("magicdec", target.layout, d, b, bucket, gammas)
+    m = owner._cache.get(key)
+    if m is None:
+        if progress:
+            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): T_T, T_D, "
+                     f"T_V for gamma {gammas[0]}..{gammas[-1]}, alpha")  # fmt: skip
+        m = owner._cache[key] = measure(
+            target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
+            lens=lens, alpha_gamma=middle(gammas),
+        )  # fmt: skip
+    tm = None
+    if shape == "auto":
+        tkey = (*key, "tree", options.tree_shape)
+        tm = owner._cache.get(tkey)
+        if tm is None:
+            if progress:
+                progress("measuring the batched tree: T_E, T_V(bs), its accepted length")
+            tm = owner._cache[tkey] = measure_tree(
+                target, draft, options.tree_shape, b, bucket, options=options, kernels=kernels,
+                ids=ids, lens=lens,
+            )  # fmt: skip
+    chosen_shape, gamma, speedup = choose_shape(m, tm)
+    cost = {
+        "t_t_ms": m.t_t,
+        "t_d_ms": m.t_d,
+        "t_v_ms": dict(m.t_v),
+        "alpha": m.alpha,
+        "alpha_slowest_row": m.batch_alpha,
+        "prefix_bucket": m.prefix,
+    }
+    if tm is not None:
+        cost["tree"] = {
+            "t_e_ms": tm.t_e,
+            "t_v_ms": tm.t_v,
+            "acceptance_length": tm.acceptance_length,
+            "predicted_speedup": 1.0 / tm.relative_time(m.t_t),
+        }
+    if chosen_shape == "tree":
+        new = dataclasses.replace(options, shape="tree", gamma="auto")
+    else:
+        keep = {k: None for k in ("depth", "width", "branch", "bs")}
+        new = dataclasses.replace(options, shape="chain", gamma=gamma, **keep)
+    chosen = {
+        "chosen": {"shape": chosen_shape, "gamma": gamma},
+        "stats": {"predicted_speedup": speedup, "cost_model": cost},
+    }
+    return new, chosen
+
+
+def table(
+    target,
+    draft,
+    batches,
+    prefixes,
+    *,
+    gammas=None,
+    tree_shape: tree.TreeShape | None = None,
+    prompts=None,
+    progress=None,
+    kernels=None,
+    **draft_options,
+) -> list[dict]:
+    """The cost model's table for ``target`` and ``draft`` (``jaxspec profile --method
+    magicdec``): for each batch and prefix, measured T_T, T_D, T_V(gamma) and alpha, the
+    predicted speedup per gamma, the tree's terms when ``tree_shape`` is given, and the chosen
+    shape and gamma. ``prompts(batch, prefix)`` gives the token-id prompts alpha is measured on
+    (default: random tokens). ``progress(row)`` is called after each (batch, prefix)."""
+    gammas = tuple(sorted(set(magicdec.GAMMAS if gammas is None else gammas)))
+    depth = {} if tree_shape is None else {"shape": "auto", "depth": tree_shape.depth}
+    options = magicdec.Options(gamma=max(gammas), **draft_options, **depth)
+    if tree_shape is None:
+        options = dataclasses.replace(options, shape="chain")
+    magicdec.resolve_draft(target, draft, options, kernels)  # the draft's checks, before timing
+    rows = []
+    for b in batches:
+        for p in prefixes:
+            ids = lens = None
+            if prompts is not None:
+                ids, lens = pad_prompts(prompts(b, p), target.net(kernels).kernels)
+            m = measure(
+                target, draft, b, p, gammas, options=options, kernels=kernels, ids=ids,
+                lens=lens, alpha_gamma=middle(gammas),
+            )  # fmt: skip
+            tm = None
+            if tree_shape is not None:
+                tm = measure_tree(
+                    target, draft, tree_shape, b, p, options=options, kernels=kernels, ids=ids,
+                    lens=lens,
+                )  # fmt: skip
+            shape, gamma, speedup = choose_shape(m, tm)
+            row = {
+                "batch": b,
+                "prefix": p,
+                "t_t_ms": m.t_t,
+                "t_d_ms": m.t_d,
+                "alpha": m.alpha,
+                "alpha_slowest_row": m.batch_alpha,
+                "t_v_ms": dict(m.t_v),
+                "predicted_speedup": {
+                    g: 1.0 / relative_time(g, m.batch_alpha, m.t_d, m.t_t, m.t_v[g]) for g in gammas
+                },
+                "shape": shape,
+                "gamma": gamma,
+                "speedup": speedup,
+            }
+            if tm is not None:
+                row["tree"] = {
+                    **dataclasses.asdict(tm),
+                    "predicted_speedup": 1.0 / tm.relative_time(m.t_t),
+                }
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows

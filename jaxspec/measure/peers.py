@@ -22,7 +22,11 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
 import numpy as np
+
+from jaxspec.io import hf_export
+from jaxspec.model.transformer import Model
 
 PEERS = ("hf", "hf-assisted")
 
@@ -50,17 +54,11 @@ def run_peer(
         import torch
     except ImportError:
         return _skipped(name, draft_name, "torch is not installed (pip install torch)")
-    import jax
-
-    from jaxspec.model.transformer import Model
-
     if name == "hf-assisted" and not isinstance(draft, Model) and draft != "ngram":
         return _skipped(
             name, draft_name, f"HF has no assisted-generation counterpart of the {draft!r} draft"
         )
     device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-    from jaxspec.io import hf_export
-
     if "target" not in cache:
         cache["target"] = hf_export.to_hf(target, device=device)
     hf = cache["target"]

@@ -1,12 +1,13 @@
 """SwiftSpec's profile: measure the workers, pick the device split and d.
 
-For each split (x target devices, y draft devices) the machine allows, time one target verify of
-``bs`` tree nodes, one draft expansion of ``w`` leaves, and the two handoffs, on the real
-models and prompt length. SwiftSpec's iteration takes about ``max(t_verify, d * t_draft +
-handoff)``; d expansions add about ``d * w * k`` nodes, of which the target sees the best bs.
-We pick d = round((t_verify - handoff) / t_draft) (at least 1): the most draft work that still
-hides behind the verify, so deeper trees cost no time, and the split with the smallest
-iteration time (acceptance is a property of the models, the same for every split).
+For each split (x target devices, y draft devices) the machine allows, the engine's own program
+(``SwiftSpec.program``: both models placed on their meshes) and workers (``workers``) time one
+target verify of ``bs`` tree nodes, one draft expansion of ``w`` leaves, and the two handoffs,
+at the real prompt length. SwiftSpec's iteration takes about ``max(t_verify, d * t_draft +
+handoff)``; d expansions add about ``d * w * k`` nodes, of which the target sees the best bs. We
+pick d = round((t_verify - handoff) / t_draft) (at least 1): the most draft work that still
+hides behind the verify, so deeper trees cost no time, and the split with the smallest iteration
+time (acceptance is a property of the models, the same for every split).
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 
-from jaxspec.engines.base import compiled, pad_prompts
+from jaxspec.engines import base
+from jaxspec.engines.swiftspec import engine as sw
+from jaxspec.engines.swiftspec import workers as W
+from jaxspec.errors import DeviceError
+from jaxspec.model import sharding
 from jaxspec.spec.sampling import Sampling
 from jaxspec.timing import median_ms
+
+PROFILE_DEPTH = 8  # the tree's room while profiling: deep enough that a snapshot is bs nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,73 +42,57 @@ class Profile:
         return max(self.t_verify_ms, self.d * self.t_draft_ms + self.handoff_ms)
 
 
-def measure(
-    target, draft, prompt: list[int], split: tuple[int, int], *, width=8, branch=4, bs=8, reps=10
-) -> Profile:
-    """Time the SwiftSpec workers for one split (devices [0, x) and [x, x + y))."""
-    from jaxspec.engines.swiftspec import engine as sw
-    from jaxspec.engines.tree import TreeShape
-    from jaxspec.spec import tree_drafts
+def _exe(fn, static, *args):
+    exe, _ = base.compiled(fn, static, args, _key(args))
+    return exe
 
-    x, y = split
-    devices = jax.devices()
-    shape = TreeShape(depth=8, width=width, branch=branch, bs=bs)
-    dr, dparams = tree_drafts.resolve(target, draft, capacity=shape.capacity)
-    dr = dataclasses.replace(dr, reuse_target_cache=False)
-    tparams, tmesh = sw.place(target.params, target.config, devices[:x])
-    dparams, dmesh = sw.place(dparams, dr.cfg, devices[x : x + y])
-    on_t, on_d = NamedSharding(tmesh, PartitionSpec()), NamedSharding(dmesh, PartitionSpec())
-    tflat, tptree = jax.tree.flatten(tparams)
-    dflat, dptree = jax.tree.flatten(dparams)
-    ids, lens = pad_prompts([prompt])
-    cap = ids.shape[1] + 2 * reps + 64 + shape.capacity * 2
-    s = Sampling()
-    ts, first = sw.target_prefill(
-        tflat,
-        jax.device_put(ids, on_t),
-        jax.device_put(lens, on_t),
-        jax.device_put(jax.random.key(0), on_t),
-        ptree=tptree,
-        graphdef=target.graphdef,
-        cfg=target.config,
-        max_new=cap,
-        capacity=cap,
-        sampling=s,
-        eos=(),
+
+def _key(args) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple(
+        (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+        for x in leaves
     )
-    grow = dict(ptree=dptree, draft=dr, width=width, branch=branch, n=1)
-    box = {
-        "ds": sw.draft_init(
-            dflat,
-            jax.device_put(ids, on_d),
-            jax.device_put(lens, on_d),
-            jax.device_put(first, on_d),
-            ptree=dptree,
-            draft=dr,
-            capacity=cap,
-        )
-    }
 
-    # Executables compiled once and called directly: a jit call re-hashes its static
-    # arguments (an NNX graphdef: milliseconds) every time, which the engine never pays.
-    grow_exe, _ = compiled(sw.draft_grow, dflat, box["ds"], **grow)
+
+def measure(
+    target, draft, prompt: list[int], split: tuple[int, int], *, width=8, branch=4, bs=8,
+    reps=10, kernels=None,
+) -> Profile:  # fmt: skip
+    """Time the SwiftSpec workers for one split (devices [0, x) and [x, x + y))."""
+    x, y = split
+    ids = np.asarray([prompt], np.int32)
+    lens = np.asarray([len(prompt)], np.int32)
+    cap = 2 * reps + 64
+    req = base.Request(1, ids.shape[1], cap, Sampling(), ())
+    opts = sw.Options(depth=PROFILE_DEPTH // 2, width=width, branch=branch, bs=bs,
+                      target_devices=x, draft_devices=y, loop="threads")  # fmt: skip
+    prog, setup = sw.ENGINE.program(target, draft, opts, req, kernels)
+    wp = prog.workers
+    tflat, dflat, on_t, on_d = setup.target.flat, setup.draft.flat, setup.on_t, setup.on_d
+    ids_t, lens_t = jax.device_put(ids, on_t), jax.device_put(lens, on_t)
+    seed = jax.device_put(np.uint32(0), on_t)
+    ts, first = _exe(W.target_prefill, wp, tflat, ids_t, lens_t, seed)(tflat, ids_t, lens_t, seed)
+    ids_d, lens_d, first_d = (jax.device_put(a, on_d) for a in (ids, lens, first))
+    ds = _exe(W.draft_init, wp, dflat, ids_d, lens_d, first_d)(dflat, ids_d, lens_d, first_d)
+    grow = _exe(W.draft_grow, (wp, 1), dflat, ds)
+    box = {"ds": ds}
 
     def expand():
-        box["ds"] = grow_exe(dflat, box["ds"])
+        box["ds"] = grow(dflat, box["ds"])
         return box["ds"].tree.size
 
     t_draft = median_ms(expand, reps)
-    snap, flat = sw.draft_snapshot(box["ds"], bs=bs)
+    snap, flat = _exe(W.draft_snapshot, wp, box["ds"])(box["ds"])
     flat_t = jax.device_put(flat, on_t)
+    verify = _exe(W.target_verify, wp, tflat, ts, flat_t)
     tbox = {"ts": ts}
-    kw = dict(ptree=tptree, graphdef=target.graphdef, sampling=s, eos=(), layout=sw.spec(snap))
-    verify_exe, _ = compiled(sw.target_verify, tflat, ts, flat_t, **kw)
 
-    def verify():
-        tbox["ts"], v, tbox["v"] = verify_exe(tflat, tbox["ts"], flat_t)
+    def one_verify():
+        tbox["ts"], v, tbox["v"] = verify(tflat, tbox["ts"], flat_t)
         return v.n
 
-    t_verify = median_ms(verify, reps)
+    t_verify = median_ms(one_verify, reps)
     # the engine's handoffs: the packed snapshot to the target, the packed verdict back
     handoff = median_ms(lambda: jax.device_put(flat, on_t), reps) + median_ms(
         lambda: jax.device_put(tbox["v"], on_d), reps
@@ -112,46 +103,76 @@ def measure(
 
 def splits(target_cfg, draft_cfg, n_devices: int) -> list[tuple[int, int]]:
     """Every (x, y) with x + y <= n whose degrees divide both models' split dimensions."""
-    from jaxspec.model.sharding import valid_tp_degrees
-
-    tx = valid_tp_degrees(target_cfg, limit=n_devices - 1)
     out = []
-    for x in tx:
-        for y in valid_tp_degrees(draft_cfg, limit=n_devices - x):
+    for x in sharding.valid_tp_degrees(target_cfg, limit=n_devices - 1):
+        for y in sharding.valid_tp_degrees(draft_cfg, limit=n_devices - x):
             out.append((x, y))
     return out
 
 
 def profile(
-    target, draft, prompt: list[int], *, width=8, branch=4, bs=8, reps=10, progress=None
-) -> list[Profile]:
+    target, draft, prompt: list[int], *, width=8, branch=4, bs=8, reps=10, progress=None,
+    kernels=None,
+) -> list[Profile]:  # fmt: skip
     """Profiles of every split, best (smallest iteration time) first."""
-    from jaxspec.errors import DeviceError
-
     n = len(jax.devices())
     if n < 2:
         raise DeviceError(
             "profiling SwiftSpec needs 2+ devices (target and draft on separate "
             "ones); this machine has 1."
         )
-    cfg_d = draft.config if hasattr(draft, "config") else target.config
+    dm = sw.draft_model(target, draft)
     results = []
-    for split in splits(target.config, cfg_d, n):
+    for split in splits(target.config, dm.config, n):
         results.append(
-            measure(target, draft, prompt, split, width=width, branch=branch, bs=bs, reps=reps)
+            measure(
+                target,
+                draft,
+                prompt,
+                split,
+                width=width,
+                branch=branch,
+                bs=bs,
+                reps=reps,
+                kernels=kernels,
+            )  # fmt: skip
         )
         if progress:
             progress(results[-1])
     return sorted(results, key=lambda p: p.iteration_ms)
 
 
-_CACHE: dict = {}
-
-
-def cached_profile(target, draft, prompt_len: int, **kw) -> Profile:
-    """The best split for these models (measured once per process and prompt-length bucket)."""
-    key = (id(target), id(draft), prompt_len // 256, tuple(sorted(kw.items())))
-    if key not in _CACHE:
-        prompt = [int(target.config.bos_token_id or 1)] * max(prompt_len, 1)
-        _CACHE[key] = profile(target, draft, prompt, **kw)[0]
-    return _CACHE[key]
+def tune(target, draft, options: sw.Options, ids, lens, req, kernels, progress=None):
+    """SwiftSpec's open choices: the split (when neither side is given: the best of every split,
+    measured once per draft and prompt-length bucket and kept with the target model) and d
+    (from that split's profile). Returns (options with both, what was chosen and measured)."""
+    dm = sw.draft_model(target, draft)
+    x, y = options.target_devices, options.draft_devices
+    kw = dict(width=options.width, branch=options.branch, bs=options.bs, kernels=kernels)
+    prompt = [int(t) for t in ids[0, : int(lens[0])]]
+    if x is None and y is None:
+        # kept with the draft's model (the target itself for a self-draft): times depend on
+        # the target and that draft only
+        key = ("swiftspec-profile", target.layout, len(prompt) // 256, tuple(sorted(kw.items())))
+        best = dm._cache.get(key)
+        if best is None:
+            if progress:
+                progress("profiling SwiftSpec's workers on every device split")
+            probe = [int(target.config.bos_token_id or 1)] * max(len(prompt), 1)
+            best = dm._cache[key] = profile(target, draft, probe, **kw)[0]
+    else:
+        tdev, ddev = sw.split_devices(target.config, dm.config, x, y)
+        best = measure(target, draft, prompt, (len(tdev), len(ddev)), **kw)
+    depth = options.depth if options.depth is not None else best.d
+    new = dataclasses.replace(
+        options, target_devices=best.target_devices, draft_devices=best.draft_devices,
+        depth=depth,
+    )  # fmt: skip
+    return new, {
+        "chosen": {
+            "target_devices": best.target_devices,
+            "draft_devices": best.draft_devices,
+            "d": depth,
+        },  # fmt: skip
+        "stats": {"profiled": dataclasses.asdict(best)},
+    }

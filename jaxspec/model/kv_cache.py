@@ -1,4 +1,4 @@
-"""Functional KV caches and the attention-mask spec every forward takes.
+"""Functional KV caches, the attention-mask spec every forward takes, and the one KV move.
 
 Layout (the same for the target's dense cache, a draft's tree cache and a sparse-budget cache):
 slots ``[0, length[b])`` hold the committed prefix of row b; slots ``[length[b], length[b] + N)``
@@ -6,27 +6,24 @@ are the *block*: the tokens being decoded, verified or speculated this step (a c
 a prefill chunk). A query sees every prefix slot and the block slots its ``block_mask`` row allows.
 
 A forward writes the new tokens' K/V at ``slots`` (one scatter per layer, out-of-range slots are
-dropped) and never copies the cache; committing a verified path (``commit``) moves at most the
-path's K/V and advances ``length``.
+dropped) and never copies the cache. Committing moves at most the committed tokens' K/V with
+``move`` (one gather and scatter per cache, or one kernel for every cache): into the dense prefix
+(``commit``: a chain's is already in place, a tree's accepted path is gathered) or into a
+StreamingLLM ring (``commit_ring``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.kernels import resolve
 from jaxspec.pytree import pytree_dataclass
 from pallas_kernels import kv_commit
 
-# The commit's K/V moves in one Pallas kernel for every cache (pallas_kernels/kv_commit.py)
-# instead of a gather and a scatter per cache: 'off' (the default: not measured on a GPU yet),
-# 'auto' (on GPU, unless the caches are sharded), 'pallas', 'interpret' (CPU tests).
-FUSED_COMMIT = os.environ.get("JAXSPEC_FUSED_COMMIT", "off")
+NO_SLOT = jnp.iinfo(jnp.int32).max  # a slot past any capacity: nothing is written there
 
 
 @pytree_dataclass
@@ -83,28 +80,63 @@ def causal_block(
     real = i[None, :] < valid[:, None]
     causal = i[None, :, None] >= i[None, None, :]
     mask = causal & real[:, None, :] & real[:, :, None]
-    slots = jnp.where(real, length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
+    slots = jnp.where(real, length[:, None] + i[None, :], NO_SLOT)
     return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True)
 
 
-def commit(cache: KVCache, src: Int[Array, "b k"], count: Int[Array, " b"]) -> KVCache:
-    """Append ``count[b]`` block tokens to the prefix of row b.
-
-    ``src[b, i]`` is the slot (inside the block) holding the i-th token to commit; it moves to
-    slot ``length[b] + i``. For a chain ``src`` is already ``length + i`` and the move is a no-op
-    in effect; for a tree it gathers the accepted path. Only ``k = src.shape[1]`` slots per row
-    and layer are read and written: no cache copy, no recompute.
-    """
-    k = src.shape[1]
-    i = jnp.arange(k, dtype=jnp.int32)
-    keep = i[None, :] < count[:, None]
-    dst = jnp.where(keep, cache.length[:, None] + i[None, :], jnp.iinfo(jnp.int32).max)
+def move(
+    cache: KVCache,
+    src: Int[Array, "b k"],
+    dst: Int[Array, "b k"],
+    length: Int[Array, " b"],
+    *,
+    mode: str = "off",
+) -> KVCache:
+    """Every layer's K/V rows at slots ``src[b, i]`` copied to ``dst[b, i]`` (all read before any
+    is written; destinations at or past the capacity are dropped), with ``length`` the new
+    lengths. ``mode`` is ``KernelConfig.fused_commit``: "off" is a gather and a scatter per
+    cache, "pallas" / "interpret" one kernel for all of them (``pallas_kernels/kv_commit.py``).
+    Only ``k = src.shape[1]`` rows per row and cache are read and written."""
     layers = len(cache.k)
-    mode = resolve(FUSED_COMMIT, "JAXSPEC_FUSED_COMMIT")
-    if mode is None:
+    if mode == "off":
         moved = kv_commit.reference(cache.k + cache.v, src, dst)
     else:
         moved = kv_commit.move_rows(cache.k + cache.v, src, dst, interpret=mode == "interpret")
-    return KVCache(
-        k=moved[:layers], v=moved[layers:], length=cache.length + count.astype(jnp.int32)
-    )
+    return KVCache(k=moved[:layers], v=moved[layers:], length=length.astype(jnp.int32))
+
+
+def commit(
+    cache: KVCache, src: Int[Array, "b k"], count: Int[Array, " b"], *, mode: str = "off"
+) -> KVCache:
+    """Append ``count[b]`` block tokens to the prefix of row b.
+
+    ``src[b, i]`` is the slot (inside the block) holding the i-th token to commit; it moves to
+    slot ``length[b] + i``: a tree's accepted path is gathered behind the prefix. (A chain's
+    block is already in place: ``advance``.)
+    """
+    i = jnp.arange(src.shape[1], dtype=jnp.int32)
+    dst = jnp.where(i[None, :] < count[:, None], cache.length[:, None] + i[None, :], NO_SLOT)
+    return move(cache, src, dst, cache.length + count.astype(jnp.int32), mode=mode)
+
+
+def commit_ring(
+    cache: KVCache,
+    src: Int[Array, "b k"],
+    count: Int[Array, " b"],
+    seen: Int[Array, " b"],
+    ring,
+    *,
+    mode: str = "off",
+) -> KVCache:
+    """Commit ``count[b]`` block tokens (at slots ``src[b, i]``) into a StreamingLLM ring:
+    token i has sequence index ``seen[b] + i`` and goes to ``ring.ring_slot`` of it; the length
+    becomes ``min(seen + count, ring.budget)``."""
+    i = jnp.arange(src.shape[1], dtype=jnp.int32)[None, :]
+    dst = jnp.where(i < count[:, None], ring.ring_slot(seen[:, None] + i), NO_SLOT)
+    length = jnp.minimum(seen + count, ring.budget)
+    return move(cache, src, dst, length, mode=mode)
+
+
+def advance(cache: KVCache, count: Int[Array, " b"]) -> KVCache:
+    """The first ``count[b]`` block tokens join the prefix where they are (a chain's block)."""
+    return dataclasses.replace(cache, length=cache.length + count.astype(jnp.int32))

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import DeviceError
+from jaxspec.model.transformer import Model, param_shapes, with_params
 
 TP = "tp"
 
@@ -93,10 +95,8 @@ def partition_spec(path: tuple, ndim: int) -> PartitionSpec:
 
 def _layout(cfg: ModelConfig) -> dict:
     """Nested dict (as ``hf_to_tree`` / ``nnx.to_pure_dict``) of parameter ranks."""
-    from jaxspec.io.weights import expected_shapes
-
     tree: dict = {}
-    for path, shape in expected_shapes(cfg).items():
+    for path, shape in param_shapes(cfg).items():
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -128,3 +128,18 @@ def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def _key(k) -> object:
     return getattr(k, "key", getattr(k, "idx", k))
+
+
+def place(model: Model, devices) -> tuple[Model, NamedSharding]:
+    """``model`` with its weights on a 1-D tensor-parallel mesh over ``devices`` (kept with the
+    model for the next call), and the replicated sharding of that mesh (for small inputs)."""
+    key = ("placed", tuple(devices))
+    got = model._cache.get(key)
+    if got is None:
+        mesh = jax.make_mesh((len(devices),), (TP,), devices=devices, axis_types=(AxisType.Auto,))
+        specs = param_specs(model.config, mesh)
+        pure = nnx.to_pure_dict(model.params)
+        state = jax.tree.map(lambda x: x, model.params)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, specs))
+        got = model._cache[key] = (with_params(model, state), NamedSharding(mesh, PartitionSpec()))
+    return got

@@ -23,16 +23,11 @@ Which rule for which tree
 * ``accept_tree`` (draw y ~ p at the current node; descend into the child whose token is y;
   else emit y). Lossless for ANY tree whose tokens do not depend on the target's draw: top-k
   children (``top_children``), dynamic score-based growth and selection (``tree.best_leaves``,
-  ``tree.select_subtree``), sampled children, a greedy draft. Its chance of descending at a node
-  is p(children), the most any rule can get from a fixed set of children. SpecExec's rule.
-  ``accept_tree_greedy`` is it with one-hot p. Use it for the tree / SwiftSpec engines.
-* ``accept_tree_sampled`` (multi-draft rejection, SpecInfer / Sequoia): the children of a node
-  must be the first m draws, in draw order, of ``sample_children(key, q[node], k)`` (without
-  replacement; with ``replacement=True`` i.i.d. draws, SpecInfer's original), and which draws
-  are in the block (m, and the subtree below each) must not depend on the drawn values: a static
-  shape (fixed branching per depth, as Sequoia's and SpecInfer's trees). Score-based selection
-  of sampled children (top-bs by log q) breaks it, and so do deterministic top-k children: use
-  ``accept_tree`` for those. One-hot q (greedy draft) is fine: it yields a single child.
+  ``tree.select_subtree``), a greedy draft. Its chance of descending at a node is p(children),
+  the most any rule can get from a fixed set of children. SpecExec's rule. ``accept_tree_greedy``
+  is it with one-hot p. Every tree engine uses it: their trees are top-k children grown
+  best-first, for which multi-draft rejection (SpecInfer / Sequoia, which needs sampled children
+  in a shape fixed before the draws) would not be lossless.
 """
 
 from __future__ import annotations
@@ -52,37 +47,11 @@ def residual(p: Float[Array, "*b v"], q: Float[Array, "*b v"]) -> Float[Array, "
     return jnp.where(z > 0, r / jnp.where(z > 0, z, 1.0), p)
 
 
-def remove_token(q: Float[Array, "*b v"], x: Int[Array, "*b"]) -> Float[Array, "*b v"]:
-    """q with token x removed and renormalised (all zero if nothing is left): the distribution of
-    the next draw of sampling without replacement."""
-    q = jnp.where(jnp.arange(q.shape[-1]) == x[..., None], 0.0, q)
-    z = jnp.sum(q, axis=-1, keepdims=True)
-    return q / jnp.where(z > 0, z, 1.0)
-
-
-def sample_children(
-    key: PRNGKeyArray, q: Float[Array, "*b v"], k: int, *, replacement: bool = False
-) -> tuple[Int[Array, "*b k"], Float[Array, "*b k"]]:
-    """Draw k children from q, in draw order: without replacement (Gumbel-top-k: the ordered
-    top k of log q + Gumbel noise is distributed as k sequential draws without replacement) or
-    i.i.d. Returns the tokens and their log q (the tree score increments). Draws past q's
-    support get log q = -inf, which ``tree.add_children`` drops."""
-    logq = jnp.log(q.astype(jnp.float32))
-    if replacement:
-        tok = jax.random.categorical(
-            key, logq[..., None, :], axis=-1, shape=q.shape[:-1] + (k,)
-        ).astype(jnp.int32)
-    else:
-        _, tok = jax.lax.top_k(logq + jax.random.gumbel(key, q.shape, jnp.float32), k)
-        tok = tok.astype(jnp.int32)
-    return tok, jnp.take_along_axis(logq, tok, axis=-1)
-
-
 def top_children(
     logprobs: Float[Array, "*b v"], k: int
 ) -> tuple[Int[Array, "*b k"], Float[Array, "*b k"]]:
     """The k most likely tokens and their log-probs, best first (deterministic children; verify
-    them with ``accept_tree`` / ``accept_tree_greedy``, never ``accept_tree_sampled``)."""
+    them with ``accept_tree`` / ``accept_tree_greedy``)."""
     val, tok = jax.lax.top_k(logprobs.astype(jnp.float32), k)
     return tok.astype(jnp.int32), val
 
@@ -196,69 +165,3 @@ def accept_tree(
     every slot and walk as ``accept_tree_greedy`` with those draws. Each emitted token is the
     target's own draw at its context, so the output is distributed exactly as the target's."""
     return accept_tree_greedy(tokens, parent, valid, draw(key, p))
-
-
-def accept_tree_sampled(
-    key: PRNGKeyArray,
-    tokens: Int[Array, "b t"],
-    parent: Int[Array, "b t"],
-    valid: Bool[Array, "b t"],
-    p: Float[Array, "b t v"],
-    q: Float[Array, "b t v"],
-    *,
-    replacement: bool = False,
-) -> tuple[Int[Array, "b m"], Int[Array, " b"], Int[Array, " b"]]:
-    """Multi-draft rejection sampling over a tree of sampled children (SpecInfer's multi-step
-    speculative sampling with ``replacement=True``; Sequoia's without-replacement variant by
-    default). At the current slot, with P = p[slot], Q = q[slot], try its children x_1, x_2, ...
-    in slot (= draw) order: accept x_i with probability min(1, P(x_i) / Q(x_i)) and descend
-    (P, Q <- p, q at x_i); on rejection P <- residual(P, Q) and, without replacement,
-    Q <- remove_token(Q, x_i). When no child is left, draw the next token from P.
-
-    Lossless only for children drawn as ``sample_children(key, q[slot], k, replacement=...)``
-    in a shape fixed before the draws (module docstring). Each slot is tried at most once along
-    the walk (tried slots increase), so T static iterations suffice.
-    """
-    b, t, v = p.shape
-    m = t - 1
-    rows = jnp.arange(b)
-    slots = jnp.arange(t)
-    k_u, k_d = jax.random.split(key)
-
-    def step(i, st):
-        cur, last, pp, qq, done, n, path = st
-        cand = valid & (slots > last[:, None]) & (parent == cur[:, None]) & ~done[:, None]
-        has = jnp.any(cand, axis=1)
-        child = jnp.argmax(cand, axis=1).astype(jnp.int32)
-        x = tokens[rows, child]
-        px = jnp.take_along_axis(pp, x[:, None], axis=1)[:, 0]
-        qx = jnp.take_along_axis(qq, x[:, None], axis=1)[:, 0]
-        u = jax.random.uniform(jax.random.fold_in(k_u, i), (b,), jnp.float32)
-        acc = has & (u * qx < px)
-        rej = has & ~acc
-        pp_rej = residual(pp, qq)
-        qq_rej = qq if replacement else remove_token(qq, x)
-        pp = jnp.where(acc[:, None], p[rows, child], jnp.where(rej[:, None], pp_rej, pp))
-        qq = jnp.where(acc[:, None], q[rows, child], jnp.where(rej[:, None], qq_rej, qq))
-        path = path.at[rows, jnp.where(acc, n, m)].set(child, mode="drop")
-        return (
-            jnp.where(acc, child, cur),
-            jnp.where(has, child, last),
-            pp,
-            qq,
-            done | ~has,
-            n + acc.astype(jnp.int32),
-            path,
-        )
-
-    init = (
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b,), jnp.int32),
-        p[:, 0].astype(jnp.float32),
-        q[:, 0].astype(jnp.float32),
-        jnp.zeros((b,), bool),
-        jnp.zeros((b,), jnp.int32),
-        jnp.full((b, m), -1, jnp.int32),
-    )
-    _, _, pp, _, _, n, path = jax.lax.fori_loop(0, t, step, init)
-    return path, n, draw(k_d, pp)

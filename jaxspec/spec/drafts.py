@@ -31,10 +31,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from jaxspec.config import ModelConfig
-from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
-from jaxspec.model.transformer import apply
+from jaxspec.errors import DraftError, OptionError
+from jaxspec.kernels import KernelConfig
+from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, commit_ring, init_cache
+from jaxspec.model.prefill import prefill
+from jaxspec.model.transformer import Model, Net, apply
 from jaxspec.pytree import pytree_dataclass
+from jaxspec.spec import snapkv
 from jaxspec.spec.sampling import Sampling, probs, sample
 
 
@@ -86,8 +89,7 @@ class ModelDraftState:
 
 @dataclasses.dataclass(frozen=True)
 class ModelDraft:
-    graphdef: object
-    cfg: ModelConfig
+    net: Net
     sparse: Streaming | None = None
     reuse_target_cache: bool = False  # self-speculation: the prompt KV is the target's
 
@@ -103,7 +105,7 @@ class ModelDraft:
         width = gamma + 1  # block: up to 2 pending + gamma - 1 fed draft tokens
         block = causal_block(s.cache.length, s.seen, s.npend, 2)
         logits, cache = apply(
-            self.graphdef, params, s.pending, s.cache, block, select=(s.npend - 1)[:, None]
+            self.net, params, s.pending, s.cache, block, select=(s.npend - 1)[:, None]
         )
         toks, qs = [], []
         for i in range(gamma):
@@ -118,7 +120,7 @@ class ModelDraft:
                 slots=(s.cache.length + off)[:, None],
                 block_mask=jnp.arange(width)[None, None, :] <= off[:, None, None],
             )
-            logits, cache = apply(self.graphdef, params, toks[-1][:, None], cache, blk)
+            logits, cache = apply(self.net, params, toks[-1][:, None], cache, blk)
         return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
 
     def commit(self, s: ModelDraftState, tokens, n_acc, next_token) -> ModelDraftState:
@@ -126,9 +128,12 @@ class ModelDraft:
         has_kv = jnp.minimum(n_acc, gamma - 1)  # draft tokens whose KV the draft computed
         count = s.npend + has_kv
         if self.sparse is None:
-            cache = dataclasses.replace(s.cache, length=s.cache.length + count)
+            cache = advance(s.cache, count)
         else:
-            cache = _commit_streaming(s.cache, s.seen, count, self.sparse, gamma + 1)
+            src = s.cache.length[:, None] + jnp.arange(gamma + 1)[None, :]
+            cache = commit_ring(
+                s.cache, src, count, s.seen, self.sparse, mode=self.net.kernels.fused_commit
+            )
         full = n_acc == gamma
         last_draft = jnp.take_along_axis(tokens, (gamma - 1) * jnp.ones_like(n_acc)[:, None], 1)[
             :, 0
@@ -140,40 +145,37 @@ class ModelDraft:
         )
         return ModelDraftState(cache, pending, 1 + full.astype(jnp.int32), s.seen + count)
 
+    def shifted(self, s: ModelDraftState, k: int) -> ModelDraftState:
+        """A dense cache ``k`` tokens further on (measurements time units mid-context); a
+        sparse cache keeps its fixed budget."""
+        if self.sparse is not None:
+            return s
+        return dataclasses.replace(
+            s, cache=advance(s.cache, jnp.full_like(s.seen, k)), seen=s.seen + k
+        )
+
+    def keep_alive(self, s, extra):
+        return s  # the proposals' K/V are in the state already
+
 
 def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
     """A model draft's cache holding the prompt: the target's own (self-speculation) or the
-    draft's prefill, then either the StreamingLLM selection (with ``room`` block slots after the
-    budget) or the dense cache padded to the engine's capacity."""
+    draft's prefill, then either the StreamingLLM / SnapKV selection (with ``room`` block slots
+    after the budget) or the dense cache padded to the engine's capacity."""
     if draft.reuse_target_cache:
         dense = pre.target_cache
     else:
-        from jaxspec.engines.base import prefill
-
         b, width = pre.ids.shape
-        cache = init_cache(draft.cfg, b, width, jax.tree.leaves(params)[0].dtype)
-        _, dense = prefill(
-            draft.graphdef, params, cache, pre.ids, pre.lens, vocab=draft.cfg.vocab_size
-        )
-    if isinstance(draft.sparse, SnapKV):
-        from jaxspec.spec.snapkv import snapkv_cache
-
-        sp = draft.sparse
-        return snapkv_cache(
-            draft.graphdef,
-            params,
-            dense,
-            pre.ids,
-            pre.lens,
-            budget=sp.budget,
-            window=sp.window,
-            obs=sp.obs,
-            kernel=sp.kernel,
-            kind=sp.pool,
-            room=room,
-        )
-    if draft.sparse is not None:
-        return _gather_streaming(dense, pre.lens, draft.sparse, room=room)
+        cache = init_cache(draft.net.cfg, b, width, params[0].dtype)
+        _, dense = prefill(draft.net, params, cache, pre.ids, pre.lens)
+    sp = draft.sparse
+    if isinstance(sp, SnapKV):
+        return snapkv.snapkv_cache(
+            draft.net, params, dense, pre.ids, pre.lens, budget=sp.budget, window=sp.window,
+            obs=sp.obs, kernel=sp.kernel, kind=sp.pool, room=room,
+        )  # fmt: skip
+    if sp is not None:
+        return _gather_streaming(dense, pre.lens, sp, room=room)
     return _resize(dense, pre.capacity)
 
 
@@ -203,24 +205,6 @@ def _gather_streaming(dense: KVCache, lens, sp: Streaming, room: int) -> KVCache
         [take(x) for x in dense.k],
         [take(x) for x in dense.v],
         jnp.minimum(lens, sp.budget).astype(jnp.int32),
-    )
-
-
-def _commit_streaming(cache: KVCache, seen, count, sp: Streaming, width: int) -> KVCache:
-    """Move ``count`` block tokens (slots ``length + i``) to their ring slots."""
-    i = jnp.arange(width)[None, :]
-    keep = i < count[:, None]
-    src = cache.length[:, None] + i
-    dst = jnp.where(keep, sp.ring_slot(seen[:, None] + i), jnp.iinfo(jnp.int32).max)
-    rows = jnp.arange(seen.shape[0])[:, None]
-
-    def move(x):
-        return x.at[rows, dst].set(x[rows, jnp.clip(src, 0, x.shape[1] - 1)], mode="drop")
-
-    return KVCache(
-        [move(x) for x in cache.k],
-        [move(x) for x in cache.v],
-        jnp.minimum(seen + count, sp.budget).astype(jnp.int32),
     )
 
 
@@ -270,15 +254,24 @@ class NgramDraft:
         hist = s.hist.at[jnp.arange(b)[:, None], dst].set(new, mode="drop")
         return NgramState(hist, s.hlen + n_acc + 1)
 
+    def shifted(self, s: NgramState, k: int) -> NgramState:
+        return s  # a lookup costs the same at any length
+
+    def keep_alive(self, s: NgramState, extra) -> NgramState:
+        """The state made to depend on a measured step's output: the value lands in the
+        history's last slot, past every row's length, so the lookup itself is unchanged."""
+        return NgramState(s.hist.at[:, -1].set(extra), s.hlen)
+
 
 DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
 
 
 def resolve(
-    target,
+    target: Model,
     draft,
     method: str,
     *,
+    kernels: KernelConfig | None = None,
     budget: int = 256,
     sinks: int = 4,
     ngram: int = 3,
@@ -286,17 +279,17 @@ def resolve(
     obs: int = 16,
     pool: str = "max",
     sparse: str | None = None,
+    sharded: bool | None = None,
 ):
-    """The user's ``draft=`` argument -> (draft object, its params), with clear errors.
+    """The user's ``draft=`` argument -> (draft object, its ``Weights`` or None), with clear
+    errors. ``kernels``: the call's ``KernelConfig`` (default: the draft model's own);
+    ``sharded``: the draft runs on several devices (default: as its weights lie).
 
     Sparse budgets: StreamingLLM keeps ``sinks`` first tokens plus a ring of ``window = budget -
     sinks`` (a given ``window`` sets ``sinks = budget - window``); SnapKV keeps ``budget - window``
     positions chosen by the last ``obs`` prompt queries plus a ring of ``window`` (default
     ``max(16, budget // 4)``). ``sparse`` ("streaming" | "snapkv") gives a draft Model such a
     cache; "self-streaming" / "self-snapkv" are the target itself with one."""
-    from jaxspec.errors import DraftError, OptionError
-    from jaxspec.model.transformer import Model
-
     if draft is None:
         raise DraftError(
             f"method={method!r} needs a draft: pass a jaxspec.Model with the target's vocabulary, "
@@ -305,20 +298,11 @@ def resolve(
     if sparse not in (None, "streaming", "snapkv"):
         raise OptionError(f"sparse must be 'streaming' or 'snapkv', got {sparse!r}.")
     if isinstance(draft, Model):
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise DraftError(
-                f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
-                f"{target.config.vocab_size}; a draft must share the target's tokenizer."
-            )
-        if _tokenizers_differ(target.tokenizer, draft.tokenizer):
-            raise DraftError(
-                "the draft's tokenizer differs from the target's; a draft must "
-                "share the target's tokenizer."
-            )
+        check_compatible(target, draft)
         sp = None
         if sparse is not None:
             sp = _sparse_budget(sparse, budget, sinks, window, obs, pool)
-        return ModelDraft(draft.graphdef, draft.config, sp), draft.params
+        return ModelDraft(draft.net(kernels, sharded=sharded), sp), draft.weights
     if sparse is not None:
         raise OptionError(
             f"sparse={sparse!r} applies to a draft Model; for self-speculation pass "
@@ -326,11 +310,10 @@ def resolve(
         )
     if draft in ("self-streaming", "self-snapkv"):
         sp = _sparse_budget(draft[5:], budget, sinks, window, obs, pool)
-        return ModelDraft(
-            target.graphdef, target.config, sp, reuse_target_cache=True
-        ), target.params
+        net = target.net(kernels, sharded=sharded)
+        return ModelDraft(net, sp, reuse_target_cache=True), target.weights
     if draft == "ngram":
-        if not isinstance(ngram, int) or ngram < 1:
+        if not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < 1:
             raise OptionError(f"ngram must be a positive integer, got {ngram!r}.")
         return NgramDraft(n=ngram, vocab=target.config.vocab_size), None
     raise DraftError(
@@ -339,9 +322,21 @@ def resolve(
     )
 
 
-def _sparse_budget(kind: str, budget, sinks, window, obs, pool) -> Streaming:
-    from jaxspec.errors import OptionError
+def check_compatible(target: Model, draft: Model) -> None:
+    """A draft model must share the target's vocabulary and tokenizer (``DraftError``)."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise DraftError(
+            f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "
+            f"{target.config.vocab_size}; a draft must share the target's tokenizer."
+        )
+    if _tokenizers_differ(target.tokenizer, draft.tokenizer):
+        raise DraftError(
+            "the draft's tokenizer differs from the target's; a draft must "
+            "share the target's tokenizer."
+        )
 
+
+def _sparse_budget(kind: str, budget, sinks, window, obs, pool) -> Streaming:
     def is_int(x):
         return isinstance(x, int) and not isinstance(x, bool)
 

@@ -32,7 +32,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.model.kv_cache import KVCache, causal_block
-from jaxspec.model.transformer import apply_rope, rope_tables
+from jaxspec.model.transformer import Net, rope_tables
+from pallas_kernels.reference import apply_rope
 
 
 def window_block_start(lens: Int[Array, " b"], obs: int) -> Int[Array, " b"]:
@@ -41,7 +42,7 @@ def window_block_start(lens: Int[Array, " b"], obs: int) -> Int[Array, " b"]:
 
 
 def window_queries(
-    graphdef, params, dense: KVCache, ids: Int[Array, "b l"], lens: Int[Array, " b"], obs: int
+    net: Net, flat, dense: KVCache, ids: Int[Array, "b l"], lens: Int[Array, " b"], obs: int
 ) -> list[Float[Array, "b o h hd"]]:
     """Post-RoPE queries of the last ``min(obs, len)`` prompt tokens of each row, per layer.
 
@@ -54,7 +55,7 @@ def window_queries(
     i = jnp.arange(obs, dtype=jnp.int32)[None, :]
     tok = jnp.take_along_axis(ids, jnp.clip(start[:, None] + i, 0, ids.shape[1] - 1), 1)
     block = causal_block(start, start, n, obs)
-    module = nnx.merge(graphdef, params)
+    module = nnx.merge(net.graphdef, net.params(flat))
     cfg = module.cfg
     x = module.embed_tokens[...][tok]
     cos, sin = rope_tables(cfg, block.positions)
@@ -62,9 +63,11 @@ def window_queries(
     qs = []
     for layer, kc, vc in zip(module.layers, dense.k, dense.v, strict=True):
         att = layer.self_attn
-        q = att.q_proj(layer.input_layernorm(x)).reshape(b, obs, cfg.num_heads, cfg.head_dim)
+        q = att.q_proj(layer.input_layernorm(x), net.kernels.gemm_rows).reshape(
+            b, obs, cfg.num_heads, cfg.head_dim
+        )
         qs.append(apply_rope(q, cos, sin))
-        x, _, _ = layer(x, cos, sin, kc, vc, start, block)
+        x, _, _ = layer(x, cos, sin, kc, vc, start, block, net.kernels)
     return qs
 
 
@@ -158,8 +161,8 @@ def gather(dense: KVCache, srcs: list, ok: Bool[Array, "b n"], room: int, budget
 
 
 def snapkv_cache(
-    graphdef,
-    params,
+    net: Net,
+    flat,
     dense: KVCache,
     ids: Int[Array, "b l"],
     lens: Int[Array, " b"],
@@ -172,7 +175,7 @@ def snapkv_cache(
     room: int,
 ) -> KVCache:
     """Compress a dense prompt cache (``length == lens``) to the SnapKV budget + ``room``."""
-    qs = window_queries(graphdef, params, dense, ids, lens, obs)
+    qs = window_queries(net, flat, dense, ids, lens, obs)
     s = dense.capacity
     cand = jnp.arange(s)[None, :] < (lens - window)[:, None]
     srcs, ok = [], None

@@ -40,10 +40,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxspec.model.kv_cache import Block
+from jaxspec.model.kv_cache import NO_SLOT, Block
 from jaxspec.pytree import pytree_dataclass
-
-NO_SLOT = jnp.iinfo(jnp.int32).max  # a slot past any capacity: the K/V are not written
 
 
 @pytree_dataclass
@@ -115,7 +113,7 @@ def add_children(
 
     A child gets score = parent score + logprob and depth = parent depth + 1. Dropped (new id -1):
     children of parent -1 (skip), of a parent that is not a valid node, with logprob -inf or NaN
-    (zero draft probability, e.g. ``sample_children`` ran out of tokens), and any that would
+    (zero draft probability: a child past the draft's support), and any that would
     exceed the capacity. The kept ones take ids ``size, size + 1, ...`` in that fixed order.
     """
     b, n = tree.token.shape
@@ -368,8 +366,9 @@ def reroot_kv_src(
     follows with the new root first: new slot ``root_slot + j`` takes old slot ``src[b, j]`` for
     ``j < count[b]``, where the sequence is ``[root, path[0..k-1], keep_src[0..n_kept-1]]`` (old
     node i is at old slot ``root_slot + i``). Apply as
-    ``cache = kv_cache.commit(cache, src, count); cache.length = new_root_slot`` on a cache
-    whose ``length == root_slot``. ``new_root_slot = root_slot + 1 + path_len``.
+    ``kv_cache.move(cache, src, dst, length)`` with ``reroot_kv_dst``'s destinations (a dense
+    cache: new slot ``root_slot + j``; a StreamingLLM ring: the root and path into the ring, the
+    kept subtree behind it). ``new_root_slot = root_slot + 1 + path_len`` (dense).
 
     Nodes never expanded have no K/V to move; the caller must run the draft on them before they
     serve as context: a new root that was not expanded (always the case for a fresh tree), and an
@@ -397,3 +396,28 @@ def reroot_kv_src(
         count,
         (root_slot + 1 + path_len).astype(jnp.int32),
     )
+
+
+def reroot_kv_dst(
+    root_slot: Int[Array, " b"],
+    root_pos: Int[Array, " b"],
+    path_len: Int[Array, " b"],
+    count: Int[Array, " b"],
+    width: int,
+    ring=None,
+) -> tuple[Int[Array, "b m"], Int[Array, " b"]]:
+    """Where ``reroot_kv_src``'s ``width`` moved rows go, and the cache's new length (the new
+    root's slot). Dense (``ring`` None): row j to ``root_slot + j``. A StreamingLLM ring
+    (``drafts.Streaming``): the old root and the path (rows ``j <= path_len``, sequence indices
+    ``root_pos + j``) to their ring slots, the kept subtree right behind the new length
+    ``min(root_pos + 1 + path_len, budget)``, so the tree grown so far survives a re-root in a
+    sparse cache as in a dense one. Rows ``j >= count`` go nowhere."""
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    if ring is None:
+        dst = root_slot[:, None] + j
+        length = root_slot + 1 + path_len
+    else:
+        length = jnp.minimum(root_pos + 1 + path_len, ring.budget)
+        behind = length[:, None] + j - (path_len[:, None] + 1)
+        dst = jnp.where(j <= path_len[:, None], ring.ring_slot(root_pos[:, None] + j), behind)
+    return jnp.where(j < count[:, None], dst, NO_SLOT).astype(jnp.int32), length.astype(jnp.int32)

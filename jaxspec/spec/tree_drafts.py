@@ -8,12 +8,12 @@ Growth: each expansion runs the draft on the ``w`` best unexpanded leaves (score
 log-probs from the root) and adds each leaf's top-``k`` children. The tree is the draft's own
 guess; ``acceptance.accept_tree`` keeps the output lossless whatever the tree is.
 
-Evolving tree cache (dense model drafts): node i's K/V sit at slot ``root_slot + i`` once the
-node is expanded. After a verify, the root and the accepted path move into the prefix and the
-surviving subtree of the bonus token is compacted behind it with one gather
-(``tree.reroot_kv_src``); nothing is recomputed. If the last accepted node was never expanded,
-its K/V are computed by one extra "catch-up" query in the next expansion's forward. A streaming
-(sparse) draft commits the path into its ring and starts a fresh tree.
+Evolving tree cache: node i's K/V sit at slot ``root_slot + i`` once the node is expanded.
+After a verify, the root and the accepted path move into the prefix (a dense cache's, or a
+sparse draft's StreamingLLM ring) and the surviving subtree of the bonus token is compacted
+behind it, in one move (``tree.reroot_kv_src`` / ``reroot_kv_dst``); nothing is recomputed. If
+the last accepted node was never expanded, its K/V are computed by one extra "catch-up" query
+in the next expansion's forward.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec.config import ModelConfig
-from jaxspec.model.kv_cache import Block, KVCache, commit
-from jaxspec.model.transformer import apply
+from jaxspec.model.kv_cache import Block, KVCache, advance, move
+from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
+from jaxspec.spec import drafts
 from jaxspec.spec import tree as T
 from jaxspec.spec.acceptance import top_children
 from jaxspec.spec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
@@ -49,8 +49,7 @@ class ModelTreeState:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTreeDraft:
-    graphdef: object
-    cfg: ModelConfig
+    net: Net
     capacity: int  # tree nodes, root included
     sparse: Streaming | None = None
     reuse_target_cache: bool = False
@@ -91,7 +90,7 @@ class ModelTreeDraft:
                     slots=jnp.concatenate([s.catchup_slot[:, None], block.slots], 1),
                     block_mask=jnp.concatenate([jnp.zeros((b, 1, n), bool), block.block_mask], 1),
                 )
-            logits, cache = apply(self.graphdef, params, tokens, cache, block)
+            logits, cache = apply(self.net, params, tokens, cache, block)
             logp = jax.nn.log_softmax(logits[:, 1:] if e == 0 else logits, axis=-1)
             child_tok, child_lp = top_children(logp, branch)
             tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
@@ -125,39 +124,19 @@ class ModelTreeDraft:
         need = ~s.has_kv[rows, last]
         last_token = s.tree.token[rows, last]
         seen = s.seen + 1 + n_acc
-        if self.sparse is None:
-            tree, keep_src, n_kept = T.reroot(s.tree, nodes, n_acc, bonus)
-            src, count, new_root = T.reroot_kv_src(s.cache.length, nodes, n_acc, keep_src)
-            cache = commit(s.cache, src, count)
-            cache.length = new_root
-            kept = keep_src >= 0
-            follow = jnp.maximum(keep_src, 0)
-            expanded = jnp.take_along_axis(s.expanded, follow, 1) & kept
-            has_kv = jnp.take_along_axis(s.has_kv, follow, 1) & kept
-            slot = new_root - 1
-        else:
-            n_kept = jnp.zeros_like(n_acc)
-            sp = self.sparse
-            m = nodes.shape[1] + 1
-            i = jnp.arange(m)[None, :]
-            rel = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.maximum(nodes, 0)], 1)
-            src = s.cache.length[:, None] + rel
-            dst = jnp.where(i <= n_acc[:, None], sp.ring_slot(s.seen[:, None] + i), T.NO_SLOT)
-
-            def move(x):
-                return x.at[rows[:, None], dst].set(
-                    x[rows[:, None], jnp.clip(src, 0, x.shape[1] - 1)], mode="drop"
-                )
-
-            cache = KVCache(
-                [move(x) for x in s.cache.k],
-                [move(x) for x in s.cache.v],
-                jnp.minimum(seen, sp.budget).astype(jnp.int32),
-            )
-            tree = T.new_tree(bonus, self.capacity)
-            expanded = jnp.zeros_like(s.expanded)
-            has_kv = expanded
-            slot = sp.ring_slot(seen - 1)
+        # evolving tree cache, dense or sparse: the root and the accepted path join the prefix
+        # (a dense cache's, or the ring), the bonus token's subtree is kept behind it
+        tree, keep_src, n_kept = T.reroot(s.tree, nodes, n_acc, bonus)
+        src, count, _ = T.reroot_kv_src(s.cache.length, nodes, n_acc, keep_src)
+        dst, length = T.reroot_kv_dst(
+            s.cache.length, s.seen, n_acc, count, src.shape[1], self.sparse
+        )
+        cache = move(s.cache, src, dst, length, mode=self.net.kernels.fused_commit)
+        kept = keep_src >= 0
+        follow = jnp.maximum(keep_src, 0)
+        expanded = jnp.take_along_axis(s.expanded, follow, 1) & kept
+        has_kv = jnp.take_along_axis(s.has_kv, follow, 1) & kept
+        slot = length - 1 if self.sparse is None else self.sparse.ring_slot(seen - 1)
         catchup_slot = jnp.where(need, slot, T.NO_SLOT).astype(jnp.int32)
         return ModelTreeState(
             cache,
@@ -170,6 +149,17 @@ class ModelTreeDraft:
             s.carried + n_kept,
             s.recomputed,
         )
+
+    def shifted(self, s: ModelTreeState, k: int) -> ModelTreeState:
+        """A dense cache ``k`` tokens further on (measurements time units mid-context); a
+        sparse cache keeps its fixed budget."""
+        if self.sparse is not None:
+            return s
+        cache = advance(s.cache, jnp.full_like(s.seen, k))
+        return dataclasses.replace(s, cache=cache, seen=s.seen + k)
+
+    def keep_alive(self, s: ModelTreeState, extra) -> ModelTreeState:
+        return s  # the expansions' K/V are in the state already
 
 
 @pytree_dataclass
@@ -205,12 +195,22 @@ class NgramTreeDraft:
         lookup = self.ngram.commit(s.lookup, chain, n_acc, bonus)
         return NgramTreeState(lookup, T.new_tree(bonus, self.capacity))
 
+    def shifted(self, s: NgramTreeState, k: int) -> NgramTreeState:
+        return s
 
-def resolve(target, draft, *, capacity: int, budget: int = 256, sinks: int = 4, ngram: int = 3):
-    """``draft=`` -> (tree draft, params), reusing the chain drafts' checks."""
-    from jaxspec.spec import drafts
+    def keep_alive(self, s: NgramTreeState, extra) -> NgramTreeState:
+        return NgramTreeState(self.ngram.keep_alive(s.lookup, extra), s.tree)
 
-    d, params = drafts.resolve(target, draft, "tree", budget=budget, sinks=sinks, ngram=ngram)
+
+def resolve(target, draft, *, capacity: int, kernels=None, sharded=None, **budget):
+    """``draft=`` -> (tree draft, params), by the chain drafts' resolution and checks."""
+    d, params = drafts.resolve(target, draft, "tree", kernels=kernels, sharded=sharded, **budget)
+    return tree_form(d, capacity), params
+
+
+def tree_form(d, capacity: int):
+    """The tree-growing form of a resolved chain draft: the same model and cache kind (or the
+    same prompt lookup), trees of ``capacity`` nodes."""
     if isinstance(d, NgramDraft):
-        return NgramTreeDraft(d, capacity), params
-    return ModelTreeDraft(d.graphdef, d.cfg, capacity, d.sparse, d.reuse_target_cache), params
+        return NgramTreeDraft(d, capacity)
+    return ModelTreeDraft(d.net, capacity, d.sparse, d.reuse_target_cache)

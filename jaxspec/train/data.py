@@ -14,12 +14,17 @@ import pathlib
 import shutil
 import time
 
-import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
+from jaxspec.api import trim
+from jaxspec.engines import autoregressive, base
 from jaxspec.errors import CheckpointError, OptionError
+from jaxspec.io import datasets
 from jaxspec.io.draft_checkpoint import _fresh_dir, _read_json, _replace
 from jaxspec.model.transformer import Model
+from jaxspec.prompts import encode_prompts
+from jaxspec.spec.sampling import Sampling
 
 HOLDOUT = {"humaneval": 20}  # prompts the benchmarks use: never trained on
 
@@ -39,7 +44,6 @@ class DataSpec:
 
 def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
     """(name as given, dataset name, chat template?) per source."""
-    from jaxspec.io import datasets
 
     is_chat = getattr(datasets, "chat_template", lambda n: n == "chat")
     out = []
@@ -53,8 +57,6 @@ def _sources(spec: DataSpec) -> list[tuple[str, str, bool]]:
 
 def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]], dict]:
     """Token ids of every training prompt, and a description of where they came from."""
-    from jaxspec.io import datasets
-    from jaxspec.prompts import encode_prompts
 
     if prompts is not None:
         ids = encode_prompts(list(prompts), target.tokenizer, target.config)
@@ -80,12 +82,10 @@ def _prompt_rows(target: Model, spec: DataSpec, prompts) -> tuple[list[list[int]
     return rows, info
 
 
-def _width(n: int, batch: int) -> int:
+def _width(target: Model, n: int, batch: int) -> int:
     """The padded prompt width ``pad_prompts`` would pick for ``batch`` rows: past one prefill
     chunk the width is a multiple of it."""
-    from jaxspec.engines.base import prefill_chunk
-
-    chunk = prefill_chunk(batch)
+    chunk = target.net().kernels.prefill_tokens(batch)
     m = 16 if n <= chunk else chunk
     return -(-n // m) * m
 
@@ -93,10 +93,6 @@ def _width(n: int, batch: int) -> int:
 def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed):
     """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
     padded to a fixed width so every batch reuses one compilation."""
-    from jaxspec.engines import autoregressive
-    from jaxspec.engines.base import trim
-    from jaxspec.spec.sampling import Sampling
-
     b = spec.gen_batch
     real = len(rows)
     rows = rows + [rows[-1]] * (b - real)
@@ -104,18 +100,12 @@ def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSp
     lens = np.array([len(r) for r in rows], np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
-    out, count, stats = autoregressive.run(
-        target,
-        None,
-        jnp.asarray(ids),
-        jnp.asarray(lens),
-        max_new=spec.max_new,
-        sampling=Sampling(float(temp), 1.0, 0),
-        eos=tuple(target.config.eos_token_ids),
-        seed=int(seed),
-        prompts=None,
-    )
-    return trim(np.asarray(out), np.asarray(count))[:real], stats
+    eos = tuple(target.config.eos_token_ids)
+    req = base.Request(b, width, spec.max_new, Sampling(float(temp), 1.0, 0), eos)
+    engine = autoregressive.ENGINE
+    prog, _ = engine.program(target, None, autoregressive.Options(), req, None)
+    r = engine.run(prog, target, None, ids, lens, int(seed))
+    return trim(r.tokens, r.count)[:real], r.stats
 
 
 def generate_data(
@@ -128,13 +118,12 @@ def generate_data(
     progress: bool = True,
 ) -> dict:
     """The target writes the training documents; saved atomically to ``out_dir``."""
-    from tqdm.auto import tqdm
 
     ids, info = _prompt_rows(target, spec, prompts)
     # a prompt and its continuation fit the context: longer prompts keep their last tokens
     cap = min(spec.max_prompt_tokens, target.config.max_position_embeddings - spec.max_new)
     ids = [p[-cap:] for p in ids]
-    width = _width(max(len(p) for p in ids), spec.gen_batch)
+    width = _width(target, max(len(p) for p in ids), spec.gen_batch)
     # pass 0: greedy; passes 1..samples: temperature. Ordered by pass, so a budget cut keeps
     # whole passes over every source.
     jobs = [(0, i) for i in range(len(ids))]

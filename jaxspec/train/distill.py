@@ -44,7 +44,6 @@ This module holds the recipe and the training loop; ``jaxspec.train.data`` the d
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -58,17 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import CheckpointError, DraftError, OptionError
-from jaxspec.io.draft_checkpoint import (  # noqa: F401
-    FORMAT,
-    SHARED,
-    SHIPPED,
+from jaxspec.io.draft_checkpoint import (
     PathLike,
     _assemble,
-    _draft_model,
-    _fresh_dir,
     _pure,
     _read_json,
-    _replace,
     _same_target,
     _shared_of,
     _trainable,
@@ -76,15 +69,10 @@ from jaxspec.io.draft_checkpoint import (  # noqa: F401
     _write_draft,
     draft_config,
     fingerprint,
-    is_draft_checkpoint,
-    load_draft,
-    shipped_draft,
 )
-from jaxspec.model.transformer import Model, full_logits
-
-# The draft format and its loader, and the data stage, live beside this module; their public
-# names are re-exported here.
-from jaxspec.train.data import (  # noqa: F401
+from jaxspec.kernels import KernelConfig
+from jaxspec.model.transformer import Model, Net, abstract_model, full_logits, new_model
+from jaxspec.train.data import (
     HOLDOUT,
     DataSpec,
     _batch,
@@ -196,8 +184,6 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
 
 def init_draft(target: Model, recipe: Recipe) -> dict:
     """The draft's trainable weights (float32 pure dict): copied target layers or random."""
-    from jaxspec.model.transformer import new_model
-
     cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
     if recipe.init == "random":
         pure = _pure(new_model(cfg, seed=recipe.seed).params)
@@ -233,17 +219,11 @@ def init_draft(target: Model, recipe: Recipe) -> dict:
 # ------------------------------------------------------------------------------ training
 
 
-@contextlib.contextmanager
-def _reference_attention():
-    """Trace with the pure-jnp attention: it has a gradient (the Pallas kernel does not)."""
-    from jaxspec.model import transformer as model_mod
-
-    old = model_mod.ATTENTION_IMPL
-    model_mod.ATTENTION_IMPL = "reference"
-    try:
-        yield
-    finally:
-        model_mod.ATTENTION_IMPL = old
+# The draft trains through the pure-jnp attention and the plain projections: they have a
+# gradient (the Pallas kernels do not).
+TRAIN_KERNELS = KernelConfig(
+    attention="reference", fused_attention="off", fused_linear="off", fused_commit="off"
+)
 
 
 def lr_at(step, total, recipe: Recipe | Optim):
@@ -286,25 +266,18 @@ def losses(teacher_logits, draft_logits, ce_weight: float):
     return kl + ce_weight * ce, kl, ce, agree
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("tgraph", "tcfg", "dgraph", "dcfg", "recipe"),
-    donate_argnums=(0, 1),
-)
-def train_step(
-    train, opt_state, shared, tparams, tokens, step, total, *, tgraph, tcfg, dgraph, dcfg, recipe
-):
+@functools.partial(jax.jit, static_argnames=("tnet", "dnet", "recipe"), donate_argnums=(0, 1))
+def train_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dnet, recipe):
     """One optimizer step on ``tokens`` [B, T]: teacher forward, draft forward and backward."""
     import optax
 
-    teacher = jax.lax.stop_gradient(full_logits(tgraph, tcfg, tparams, tokens))
-    dtype = jax.tree.leaves(tparams)[0].dtype
+    teacher = jax.lax.stop_gradient(full_logits(tnet, tflat, tokens))
+    dtype = tflat[0].dtype
 
     def loss_fn(w):
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
-        loss, kl, ce, agree = losses(
-            teacher, full_logits(dgraph, dcfg, params, tokens), recipe.ce_weight
-        )
+        draft_logits = full_logits(dnet, jax.tree.leaves(params), tokens)
+        loss, kl, ce, agree = losses(teacher, draft_logits, recipe.ce_weight)
         return loss.mean(), {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(train)
@@ -482,8 +455,6 @@ def distill(
         )
 
     # ---- model, optimizer, state
-    from jaxspec.model.transformer import abstract_model
-
     dcfg = draft_config(target.config, recipe.layers, recipe.intermediate)
     dgraph = abstract_model(dcfg, target.dtype)[0]
     shared = _shared_of(target)
@@ -523,13 +494,9 @@ def distill(
 
     history: list[dict] = []
     stopped = None
-    static = dict(
-        tgraph=target.graphdef,
-        tcfg=target.config,
-        dgraph=dgraph,
-        dcfg=dcfg,
-        recipe=Optim.of(recipe),
-    )
+    dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), train), shared)
+    dnet = Net(dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate))
+    static = dict(tnet=target.net(), dnet=dnet, recipe=Optim.of(recipe))
     # the step count is fixed while the learning rate does not depend on it yet (warmup), from
     # the median step time over the whole warmup: on the H200 the first steps after the compile
     # ran several times slower than the steady 16 steps/s, and 5 of them fixed 128 steps where
@@ -539,7 +506,7 @@ def distill(
     ends: list[float] = []  # step end times; the first step compiles and is not measured
     bar = tqdm(total=total, initial=step, desc="distill", unit="step", disable=not progress)
     last_saved = step
-    with bar, _reference_attention():
+    with bar:
         t_prev = time.perf_counter()
         while step < total:
             if until_step is not None and step >= until_step:
@@ -555,7 +522,7 @@ def distill(
                 break
             tokens = jnp.asarray(_batch(windows, position, recipe.batch, recipe.seed))
             train, opt_state, m = train_step(
-                train, opt_state, shared, target.params, tokens, step, total, **static
+                train, opt_state, shared, target.flat, tokens, step, total, **static
             )
             m = {k: float(v) for k, v in m.items()}  # waits for the step
             now = time.perf_counter()
@@ -613,8 +580,6 @@ def distill(
 def init_draft_shapes(target: Model, recipe: Recipe) -> dict:
     """Abstract float32 shapes of the trainable weights (no compute)."""
     cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
-    from jaxspec.model.transformer import abstract_model
-
     _, st = abstract_model(cfg, jnp.float32)
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), _trainable(_pure(st)))
 

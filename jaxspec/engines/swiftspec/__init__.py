@@ -1,5 +1,2 @@
-"""SwiftSpec: asynchronous, disaggregated tree speculation over two device meshes."""
-
-from jaxspec.engines.swiftspec.engine import OPTIONS, run
-
-__all__ = ["OPTIONS", "run"]
+"""SwiftSpec: asynchronous, disaggregated tree speculation over two device meshes (``engine``),
+its workers (``workers``) and their two loops (``threads``, ``device``)."""

@@ -1,6 +1,6 @@
 """SwiftSpec's iteration as one XLA program over both devices (``loop="device"``, 1 + 1 layouts).
 
-The threaded loop (``swiftspec_threads.ThreadLoop``) hands every verdict and snapshot through
+The threaded loop (``threads.ThreadLoop``) hands every verdict and snapshot through
 the host: on two H200s about 3 ms of an 8.6 ms iteration passed with the target's GPU idle, in
 thread wake-ups, dispatches that wait on cross-device copies, and the draft's host sync
 (benchmarks/notes/swiftspec_2gpu.md). Here the same pieces run in one ``shard_map`` over a mesh of
@@ -34,22 +34,19 @@ a steady 6.07 in its trace; benchmarks/notes/swiftspec_2gpu.md).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.engines.base import compiled
-from jaxspec.engines.swiftspec import engine as S
+from jaxspec.engines import base
+from jaxspec.engines.swiftspec import workers as W
+from jaxspec.errors import WorkerError
 
 AXIS = "w"
-
-
-def _raw(fn):
-    """The Python function under a ``jax.jit`` (traced inline in the loop's program)."""
-    return getattr(fn, "__wrapped__", fn)
 
 
 def _zeros(shapes):
@@ -71,57 +68,54 @@ def _branch(me, who: int, fn, *args):
     return jax.lax.cond(me == who, lambda a: fn(*a), lambda a: _zeros(shapes), args)
 
 
-STATIC = ("mesh", "prefill_kw", "init_kw", "grow_kw", "next_kw", "verify_kw", "bs", "d", "vlayout")
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """The device loop's static program: the workers' and the two-device mesh."""
+
+    prog: W.Program
+    mesh: Mesh
 
 
-@functools.partial(jax.jit, static_argnames=STATIC)
-def device_loop(
-    tflat, dflat, ids, lens, key, *, mesh, prefill_kw, init_kw, grow_kw, next_kw, verify_kw, bs,
-    d, vlayout,
-):  # fmt: skip
-    """The whole generation: ``(tflat, dflat, ids, lens, key) -> results``, every argument
-    replicated on ``mesh`` (target device first, draft device second); the ``*_kw`` are the
-    workers' static keywords as sorted item tuples. The states are made in the program (the
-    target's prefill, the draft's first tree and snapshot), so no state crosses between the
-    host and the mesh; the results are the target's tokens and the counters the engine reports,
-    each stacked over the two devices."""
-    prefill_kw, init_kw, grow_kw = dict(prefill_kw), dict(init_kw), dict(grow_kw)
-    next_kw, verify_kw = dict(next_kw), dict(verify_kw)
-    prefill, init, snapshot = _raw(S.target_prefill), _raw(S.draft_init), _raw(S.draft_snapshot)
-    verify, grow, after = _raw(S.target_verify), _raw(S.draft_grow), _raw(S.draft_next)
+def device_loop(static: Loop, tflat, dflat, ids, lens, seed):
+    """The whole generation: ``(tflat, dflat, ids, lens, seed) -> results``, every argument
+    replicated on the mesh (target device first, draft device second). The states are made in
+    the program (the target's prefill, the draft's first tree and snapshot), so no state crosses
+    between the host and the mesh; the results are the target's tokens and the counters the
+    engine reports, each stacked over the two devices."""
+    prog, d = static.prog, static.prog.d
 
-    def per_device(tflat, dflat, ids, lens, key):
+    def per_device(tflat, dflat, ids, lens, seed):
         me = jax.lax.axis_index(AXIS)
-        ts, first = _branch(me, 0, functools.partial(prefill, **prefill_kw), tflat, ids, lens, key)
+        ts, first = _branch(me, 0, lambda *a: W.target_prefill(prog, *a), tflat, ids, lens, seed)
         first = jnp.where(me == 0, first, jax.lax.ppermute(first, AXIS, [(0, 1)]))
 
         def start(dflat, ids, lens, first):
-            ds = init(dflat, ids, lens, first, **init_kw)
-            ds = grow(dflat, ds, n=d, **grow_kw)
-            return (ds, *snapshot(ds, bs=bs))
+            ds = W.draft_init(prog, dflat, ids, lens, first)
+            ds = W.draft_grow((prog, d), dflat, ds)
+            return (ds, *W.draft_snapshot(prog, ds))
 
         ds, snap, flat = _branch(me, 1, start, dflat, ids, lens, first)
         flat = jnp.where(me == 0, jax.lax.ppermute(flat, AXIS, [(1, 0)]), flat)
-        vshapes = jax.eval_shape(functools.partial(verify, **verify_kw), tflat, ts, flat)[2]
+        vshapes = jax.eval_shape(lambda *a: W.target_verify(prog, *a), tflat, ts, flat)[2]
 
         def body(c):
             ts, ds, snap, flat, _, it = c
 
             def target_phase(args):
                 ts, ds = args
-                ts, _, vflat = verify(tflat, ts, flat, **verify_kw)
+                ts, _, vflat = W.target_verify(prog, tflat, ts, flat)
                 return ts, ds, vflat
 
             def draft_phase(args):
                 ts, ds = args
-                return ts, grow(dflat, ds, n=d, **grow_kw), _zeros(vshapes)
+                return ts, W.draft_grow((prog, d), dflat, ds), _zeros(vshapes)
 
             ts, ds, vflat = jax.lax.cond(me == 0, target_phase, draft_phase, (ts, ds))
             vflat = jnp.where(me == 0, vflat, jax.lax.ppermute(vflat, AXIS, [(0, 1)]))
 
             def reroot(args):
                 ds, snap = args
-                ds, snap, new, _ = after(dflat, ds, snap, vflat, **next_kw)
+                ds, snap, new, _ = W.draft_next(prog, dflat, ds, snap, vflat)
                 return ds, snap, new
 
             def wait(args):
@@ -130,66 +124,81 @@ def device_loop(
 
             ds, snap, new = jax.lax.cond(me == 1, reroot, wait, (ds, snap))
             flat = jnp.where(me == 0, jax.lax.ppermute(new, AXIS, [(1, 0)]), new)
-            done = S.unpack(vflat, vlayout).done
+            done = W.unpack(vflat, prog.verdict_layout).done
             return ts, ds, snap, flat, done, it + 1
 
         # every verification emits a token per live row, so max_new of them finish any run: the
         # bound only keeps a wrong verdict from spinning forever (nothing hangs)
-        limit = ts.out.shape[1]
+        limit = ts.out.tokens.shape[1]
         init_c = (ts, ds, snap, flat, jnp.zeros((), bool), jnp.zeros((), jnp.int32))
         ts, ds, _, _, _, it = jax.lax.while_loop(lambda c: ~c[4] & (c[5] < limit), body, init_c)
         results = dict(
-            out=ts.out, count=ts.count, done=ts.done, emitted=ts.emitted,
-            live_steps=ts.live_steps, carried=ds.carried, recomputed=ds.recomputed, it=it,
+            out=ts.out.tokens, count=ts.out.count, done=ts.out.done, emitted=ts.out.emitted,
+            live_steps=ts.out.live_steps, carried=ds.carried, recomputed=ds.recomputed, it=it,
         )  # fmt: skip
         return jax.tree.map(lambda x: x[None], results)
 
     return jax.shard_map(
         per_device,
-        mesh=mesh,
+        mesh=static.mesh,
         in_specs=PartitionSpec(),
         out_specs=PartitionSpec(AXIS),
         check_vma=False,
-    )(tflat, dflat, ids, lens, key)
+    )(tflat, dflat, ids, lens, seed)
 
 
-# The weights replicated on the two-device mesh, for the next call with the same weights:
-# {key: (the caller's weight arrays, kept so that their ids stay theirs; the replicated ones)}.
-_WEIGHTS: dict = {}
-
-
-def replicate_weights(mesh: Mesh, tflat: list, dflat: list, sources) -> tuple[list, list]:
+def replicated(setup, mesh: Mesh) -> tuple[list, list]:
     """Both workers' weights on both devices (one program runs on both; each touches only its
-    own): for Llama-3-8B and 3.2-1B, 16 GB more on the draft's device. The copy is kept for the
-    next call whose ``sources`` (the weight arrays the caller holds, of which ``tflat`` and
-    ``dflat`` are the placed forms) are the same arrays: one entry; ``clear()`` frees it."""
-    key = (mesh, tuple(tuple(map(id, leaves)) for leaves in sources))
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()
-        rep = jax.device_put((tflat, dflat), NamedSharding(mesh, PartitionSpec()))
-        _WEIGHTS[key] = (sources, jax.block_until_ready(rep))
-    return _WEIGHTS[key][1]
+    own): for Llama-3-8B and 3.2-1B, 16 GB more on the draft's device. The copy is kept with
+    the placed target model, for its next call with the same draft weights, and goes with it."""
+    key = ("swiftspec-replicated", mesh)
+    kept = setup.target._cache.get(key)
+    if kept is None or kept[0] is not setup.draft.weights:
+        rep = jax.device_put(
+            (setup.target.flat, setup.draft.flat), NamedSharding(mesh, PartitionSpec())
+        )
+        kept = setup.target._cache[key] = (setup.draft.weights, jax.block_until_ready(rep))
+    return kept[1]
 
 
-def clear() -> None:
-    """Free the kept copy of the weights (``replicate_weights``)."""
-    _WEIGHTS.clear()
+def _unfused(net):
+    return net.with_kernels(net.kernels.resolve(net.cfg, sharded=True))
 
 
-def run(tdev, ddev, tflat, dflat, ids, lens, key, *, sources, **static) -> tuple[dict, float]:
-    """Run the whole generation on the two devices: (results as numpy arrays, each the target's
-    or the draft's as fits; seconds of setup: the weights' copy on a first call and the compile,
-    once per shape). ``static``: ``device_loop``'s keywords as dicts (``mesh`` aside)."""
-    mesh = Mesh([tdev, ddev], (AXIS,))
+def run(prog: W.Program, setup, ids, lens, seed, stats) -> dict:
+    """The whole generation on the two devices. Its setup (``stats.setup_s``: the weights' copy
+    on a first call and the compile, once per shape) is not in ``wall_s``, as compiles never
+    are. Returns the results, each the target's or the draft's as fits."""
+    tdev = next(iter(setup.on_t.device_set))
+    ddev = next(iter(setup.on_d.device_set))
+    mesh = Mesh(np.array([tdev, ddev]), (AXIS,))
     t0 = time.perf_counter()
-    tflat, dflat = replicate_weights(mesh, tflat, dflat, sources)
+    tflat, dflat = replicated(setup, mesh)
+    # a few token ids and a seed: the only inputs that are this call's own
+    args = jax.device_put((ids, lens, np.uint32(seed)), NamedSharding(mesh, PartitionSpec()))
+    # the arrays span both devices: the fused kernels (no partitioning rule) stay out
+    unfused = dataclasses.replace(
+        prog,
+        target=_unfused(prog.target),
+        draft=dataclasses.replace(prog.draft, net=_unfused(prog.draft.net)),
+    )
+    static = Loop(unfused, mesh)
+    key = (setup.target.layout, setup.draft.layout, base.shapes_key(ids, lens))
+    exe, _ = base.compiled(device_loop, static, (tflat, dflat, *args), key)
     setup_s = time.perf_counter() - t0
-    # a few token ids and a key: the only inputs that are this call's own
-    args = jax.device_put((ids, lens, key), NamedSharding(mesh, PartitionSpec()))
-    t0 = time.perf_counter()
-    static = {k: tuple(sorted(v.items())) if isinstance(v, dict) else v for k, v in static.items()}
-    exe, _ = compiled(device_loop, tflat, dflat, *args, mesh=mesh, **static)
-    setup_s += time.perf_counter() - t0
     res = jax.device_get(exe(tflat, dflat, *args))
-    target_side = ("out", "count", "done", "emitted", "live_steps", "it")
-    return {k: v[0] if k in target_side else v[1] for k, v in res.items()}, setup_s
+    res = {k: v[0] if k in ("out", "count", "done", "emitted", "live_steps", "it") else v[1]
+           for k, v in res.items()}  # fmt: skip
+    stats.compile_s += setup_s
+    stats.setup_s = setup_s
+    it = int(res["it"])
+    if not bool(res["done"].all()):
+        raise WorkerError(
+            f"the on-device loop stopped after {it} verifications with rows unfinished (a "
+            "verdict never said done). Both workers were stopped."
+        )
+    d = prog.d
+    stats.verify_steps += it
+    stats.draft_expansions += d * (it + 1)  # + the first snapshot's
+    stats.expansions_in_flight += d * it  # phase 1: the d grows run beside the verify
+    return res

@@ -5,38 +5,54 @@ pacing of extra expansions (``Pace``) and the host-time accounting (``Laps``).""
 from __future__ import annotations
 
 import dataclasses
-import functools
+import queue
+import threading
 import time
 
 import jax
 import numpy as np
 
-from jaxspec.engines.base import Timer, compiled
-from jaxspec.engines.swiftspec import engine as S  # (imports this module: used at call time)
+from jaxspec.engines import base
+from jaxspec.engines.swiftspec import workers as W
 from jaxspec.errors import WorkerError
 
 
-def worker(stats: dict, exes: dict, name: str, fn, *args, **kwargs):
-    """Run one worker step. Shapes are fixed within a run, so each function's executable is
-    compiled once per run (compile time kept out of wall_s) and found again by the identity of
-    its static arguments: hashing them (an NNX graphdef hashes every node) cost milliseconds
-    per call on the hot path."""
-    try:
-        key = (fn, tuple(sorted((k, id(v)) for k, v in kwargs.items())))
-        exe = exes.get(key)
-        if exe is None:
-            exe, compile_s = compiled(fn, *args, **kwargs)
-            stats["compile_s"] += compile_s
-            exes[key] = exe
-        return exe(*args)
-    except Exception as e:
-        raise WorkerError(
-            f"the {name} worker failed in {getattr(fn, '__name__', fn)}: "
-            f"{type(e).__name__}: {e}. Both workers were stopped."
-        ) from e
+class Calls:
+    """The workers' executables for one run: each compiled once (``base.compiled``, keyed by
+    the program and its arguments' shapes; the compile seconds go to ``stats.compile_s``, out
+    of ``wall_s``), then found by function and static program: an identity-cheap lookup, since
+    the program's hash is computed once."""
+
+    def __init__(self, stats):
+        self.stats = stats
+        self.exes: dict = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, fn, static, *args):
+        try:
+            exe = self.exes.get((fn, static))
+            if exe is None:
+                with self.lock:
+                    exe, compile_s = base.compiled(fn, static, args, _shapes(args))
+                    self.stats.compile_s += compile_s
+                    self.exes[(fn, static)] = exe
+            return exe(*args)
+        except Exception as e:
+            raise WorkerError(
+                f"the {name} worker failed in {getattr(fn, '__name__', fn)}: "
+                f"{type(e).__name__}: {e}. Both workers were stopped."
+            ) from e
 
 
-def checked(v: S.Verdict, bs: int) -> bool:
+def _shapes(args) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple(
+        (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+        for x in leaves
+    )
+
+
+def checked(v: W.Verdict, bs: int) -> bool:
     n = np.asarray(v.n)
     nxt = np.asarray(v.next)
     if n.min() < 0 or n.max() > bs or nxt.min() < 0:
@@ -111,7 +127,7 @@ class ThreadLoop:
     """The iteration loop on two host threads, one per worker: a dispatch that consumes a
     cross-device copy blocks its thread until the copy's source is ready (measured on two
     H200s: 7 ms of a 14.7 ms iteration inside the verify dispatch), so with one thread each
-    mesh's work waited on the other's. Each thread now blocks only on its own inputs:
+    mesh's work waited on the other's. Each thread blocks only on its own inputs:
 
         target: snapshot n (packed, on mesh A) -> verify -> verdict n to the draft thread
         draft:  grow d while verify n runs -> verdict n -> re-root + snapshot n+1 -> target
@@ -119,32 +135,22 @@ class ThreadLoop:
     A fault in either thread stops both (a stop marker in both queues) and is raised by the
     caller's thread; nothing waits forever."""
 
-    stats: dict
-    verify: tuple  # (jitted function, its static keyword arguments)
-    grow: tuple
-    next: tuple
-    tflat: list
-    dflat: list
-    on_t: object
-    on_d: object
-    d: int
-    bs: int
+    prog: W.Program
+    setup: object  # engine.Setup
+    stats: object  # engine.SwiftSpecStats
+    calls: Calls
     max_extra: int
     pace: Pace
-    observe: object = None
 
     def run(self, ts, ds, snap, flat):
-        import queue
-        import threading
-
         self.to_target, self.to_draft = queue.Queue(), queue.Queue()
         self.finished = threading.Event()
         self.errors: list[BaseException] = []
         self.laps = {"target": Laps(), "draft": Laps()}
-        self.stats.update(refills=[], host_laps=Merged(self.laps))
-        with Timer() as h:
-            self.to_target.put(jax.device_put(flat, self.on_t))
-        self.stats["handoff_s"] += h.s
+        self.refills: list = []
+        with base.Timer() as h:
+            self.to_target.put(jax.device_put(flat, self.setup.on_t))
+        self.stats.handoff_s += h.s
         box = {"ts": ts, "ds": ds}
         workers = [
             threading.Thread(target=self._guard, args=(self._target, box), daemon=True),
@@ -159,6 +165,13 @@ class ThreadLoop:
             if isinstance(e, WorkerError):
                 raise e
             raise WorkerError(f"swiftspec failed outside a worker: {type(e).__name__}: {e}") from e
+        self.stats.refill_expansions = int(sum(int(x) for x in self.refills))
+        n = max(self.stats.verify_steps, 1)
+        self.stats.host_ms_per_iteration = {
+            f"{who}.{k}": v
+            for who, laps in self.laps.items()
+            for k, v in laps.per_lap_ms(n).items()
+        }
         return box["ts"], box["ds"]
 
     def _guard(self, fn, *args):
@@ -172,47 +185,44 @@ class ThreadLoop:
             self.to_draft.put(_STOP)
 
     def _target(self, box):
-        work = functools.partial(worker, self.stats, {})
         clock, previous, ts = self.laps["target"], None, box["ts"]
+        tflat = self.setup.target.flat
         while True:
             clock.lap()
             flat_t = self.to_target.get()
             if flat_t is _STOP:
                 return
             clock.lap("wait_snapshot")
-            fn, kw = self.verify
-            ts, verdict, vflat = work("target", fn, self.tflat, ts, flat_t, **kw)
+            ts, verdict, vflat = self.calls("target", W.target_verify, self.prog, tflat, ts, flat_t)
             box["ts"] = ts
-            self.stats["verify_steps"] += 1
+            self.stats.verify_steps += 1
             self.to_draft.put((ts, verdict, vflat))
             clock.lap("verify")
             # the previous verdict (finished: this verify waited for it) says whether to stop
-            if previous is not None and bool(checked(previous, self.bs)):
-                self.stats["verify_steps"] -= 1  # this verify only re-ran finished rows
+            if previous is not None and bool(checked(previous, self.prog.shape.bs)):
+                self.stats.verify_steps -= 1  # this verify only re-ran finished rows
                 return
             clock.lap("check")
             previous = verdict
 
     def _draft(self, box, snap):
-        work = functools.partial(worker, self.stats, {})
-        clock, ds, stats = self.laps["draft"], box["ds"], self.stats
-        (grow, grow_kw), (after, after_kw) = self.grow, self.next
-        layout = None
+        clock, ds, stats, prog = self.laps["draft"], box["ds"], self.stats, self.prog
+        dflat, d = self.setup.draft.flat, prog.d
         while True:
             clock.lap()
             # parallel tree generation: d expansions while verify n is in flight
-            ds = work("draft", grow, self.dflat, ds, n=self.d, **grow_kw)
+            ds = self.calls("draft", W.draft_grow, (prog, d), dflat, ds)
             box["ds"] = ds
-            stats["draft_expansions"] += self.d
+            stats.draft_expansions += d
             t_grow = clock.lap("grow")
             for _ in range(self.max_extra):
                 if not self.pace.another_fits(self._verdict_ready, ds, t_grow):
                     break
-                ds = work("draft", grow, self.dflat, ds, n=1, **grow_kw)
+                ds = self.calls("draft", W.draft_grow, (prog, 1), dflat, ds)
                 box["ds"] = ds
                 self.pace.dispatched()
-                stats["draft_expansions"] += 1
-                stats["expansions_in_flight"] += 1
+                stats.draft_expansions += 1
+                stats.expansions_in_flight += 1
             clock.lap("extra")
             msg = self.to_draft.get()
             if msg is _STOP or self.finished.is_set():
@@ -220,23 +230,20 @@ class ThreadLoop:
             ts, verdict, vflat = msg
             # counted, not timed: the verdict was not ready when the draft took it, so the
             # d expansions dispatched before were made while the verify was in flight
-            stats["expansions_in_flight"] += self.d * (not verdict.n.is_ready())
-            layout = layout or S.spec(verdict)
+            stats.expansions_in_flight += d * (not verdict.n.is_ready())
             clock.lap("wait_verdict")
-            with Timer() as h:
-                v = jax.device_put(vflat, self.on_d)
-            ds, snap, flat, grown = work(
-                "draft", after, self.dflat, ds, snap, v, layout=layout, **after_kw
-            )
+            with base.Timer() as h:
+                v = jax.device_put(vflat, self.setup.on_d)
+            ds, snap, flat, grown = self.calls("draft", W.draft_next, prog, dflat, ds, snap, v)
             box["ds"] = ds
             clock.lap("next")
-            if self.observe is not None:  # before the target may donate ts to the next verify
-                self.observe(ts, ds)
-            with Timer() as h2:
-                self.to_target.put(jax.device_put(flat, self.on_t))
-            stats["handoff_s"] += h.s + h2.s
+            if self.setup.observe is not None:  # before the target may donate ts
+                self.setup.observe(ts, ds)
+            with base.Timer() as h2:
+                self.to_target.put(jax.device_put(flat, self.setup.on_t))
+            stats.handoff_s += h.s + h2.s
             clock.lap("put_snapshot")
-            stats["refills"].append(grown)
+            self.refills.append(grown)
 
     def _verdict_ready(self) -> bool:
         with self.to_draft.mutex:
@@ -244,15 +251,28 @@ class ThreadLoop:
         return head is _STOP or (head is not None and head[1].n.is_ready())
 
 
-class Merged:
-    """Both threads' laps, one dict: ``target.verify``, ``draft.next``, ..."""
-
-    def __init__(self, laps: dict):
-        self.laps = laps
-
-    def per_lap_ms(self, n: int) -> dict[str, float]:
-        return {
-            f"{who}.{k}": v
-            for who, laps in self.laps.items()
-            for k, v in laps.per_lap_ms(n).items()
-        }
+def run(prog: W.Program, max_extra: int, setup, ids, lens, seed, stats) -> dict:
+    """The whole generation on two host threads: the target's prefill, the draft's first tree
+    and snapshot, then ``ThreadLoop``. Returns the target's tokens and the counters."""
+    calls = Calls(stats)
+    on_t, on_d = setup.on_t, setup.on_d
+    tflat, dflat = setup.target.flat, setup.draft.flat
+    ts, first = calls(
+        "target", W.target_prefill, prog, tflat, jax.device_put(ids, on_t),
+        jax.device_put(lens, on_t), jax.device_put(np.uint32(seed), on_t),
+    )  # fmt: skip
+    ds = calls(
+        "draft", W.draft_init, prog, dflat, jax.device_put(ids, on_d),
+        jax.device_put(lens, on_d), jax.device_put(first, on_d),
+    )  # fmt: skip
+    ds = calls("draft", W.draft_grow, (prog, prog.d), dflat, ds)
+    stats.draft_expansions += prog.d
+    snap, flat = calls("draft", W.draft_snapshot, prog, ds)
+    loop = ThreadLoop(prog, setup, stats, calls, max_extra, setup.pace or Pace())
+    ts, ds = loop.run(ts, ds, snap, flat)
+    return jax.device_get(
+        dict(
+            out=ts.out.tokens, count=ts.out.count, emitted=ts.out.emitted,
+            live_steps=ts.out.live_steps, carried=ds.carried, recomputed=ds.recomputed,
+        )
+    )  # fmt: skip

@@ -1,0 +1,132 @@
+"""Host time of a warm ``jaxspec.generate`` call outside the engine's device work.
+
+    python benchmarks/bench_host_overhead.py [--shape smollm2|smollm2-narrow] [--new 128]
+        [--reps 20] [--out benchmarks/results/host_overhead.json]
+
+For each method (autoregressive, chain with prompt lookup, tree with a 2-layer draft) one
+prompt of 64 token ids is decoded ``--reps`` times after two warm-up calls (compiles excluded),
+and each call is split in two:
+
+- ``engine_ms``: the engine's own ``stats.wall_s``: from the dispatch of its compiled program to
+  its outputs on the host (``engines.base.on_device``: the executable call, the device work, the
+  device-to-host copy). The engines run their whole loop as one program, so this is the device
+  work plus one dispatch and one transfer;
+- ``outside_ms``: the wall clock of the whole ``generate()`` call minus ``engine_ms``: option
+  parsing, prompt encoding and padding, the compile-cache lookup, trimming, stats.
+
+Rows hold the medians over the repetitions. ``smollm2`` is SmolLM2-135M's shape (30 layers, the
+real number of weight leaves, which is what a call's host work scales with); ``smollm2-narrow``
+the same layers and leaves at width 64 (the CPU default: the same host work, a fast device
+part). Weights are random: acceptance is irrelevant here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from jaxspec.config import ModelConfig
+from jaxspec.provenance import metadata
+from jaxspec.model.transformer import truncate
+
+SMOLLM2 = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+    tie_word_embeddings=True,
+)  # fmt: skip
+SHAPES = {
+    "smollm2": SMOLLM2,
+    "smollm2-narrow": dataclasses.replace(
+        SMOLLM2,
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    ),  # fmt: skip
+}
+METHODS = (
+    ("autoregressive", None, {}),
+    ("chain", "ngram", {"gamma": 4}),
+    ("tree", "draft", {}),
+)
+
+
+def one_call(target, ids, method, draft, options, new):
+    t0 = time.perf_counter()
+    r = jaxspec.generate(target, ids, method=method, draft=draft, max_new_tokens=new, **options)
+    wall = time.perf_counter() - t0
+    return wall * 1e3, r.stats["wall_s"] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    gpu = jax.default_backend() == "gpu"
+    ap.add_argument(
+        "--shape", choices=tuple(SHAPES), default="smollm2" if gpu else "smollm2-narrow"
+    )
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = SHAPES[args.shape]
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    target = jaxspec.new_model(cfg, seed=0, dtype=dtype)
+    target.kernels = jaxspec.KernelConfig.from_env()
+    small = truncate(target, 2)
+    ids = np.random.RandomState(0).randint(4, cfg.vocab_size, (1, 64)).tolist()
+    device = metadata()["device"]
+    rows = []
+    for method, draft, options in METHODS:
+        d = small if draft == "draft" else draft
+        for _ in range(2):  # compile, then one warm call
+            one_call(target, ids, method, d, options, args.new)
+        walls, engines = zip(
+            *(one_call(target, ids, method, d, options, args.new) for _ in range(args.reps)),
+            strict=True,
+        )
+        outside = [w - e for w, e in zip(walls, engines, strict=True)]
+        row = {
+            "device": device,
+            "method": method,
+            "draft": draft,
+            "outside_ms": round(statistics.median(outside), 4),
+            "outside_ms_p90": round(float(np.percentile(outside, 90)), 4),
+            "wall_ms": round(statistics.median(walls), 4),
+            "engine_ms": round(statistics.median(engines), 4),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {
+        **metadata(),
+        "shape": args.shape,
+        "new_tokens": args.new,
+        "reps": args.reps,
+        "kernels": target.net().kernels.describe(),
+        "how": "outside_ms = wall of generate() - stats.wall_s (the engine's program from "
+        "dispatch to outputs on the host); medians over reps after two warm-up calls",
+        "rows": rows,
+    }
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'method':>15} {'outside ms':>11} {'engine ms':>10} {'wall ms':>9}")
+    for r in rows:
+        print(
+            f"{r['method']:>15} {r['outside_ms']:>11.3f} {r['engine_ms']:>10.2f} {r['wall_ms']:>9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
