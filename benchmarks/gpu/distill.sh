@@ -32,7 +32,7 @@ if [ "${1:-}" = bench ]; then
   exit
 fi
 rm -rf "$RUN"
-bench distill 120 $PY -c "from jaxspec.io.default_model import default_checkpoint; default_checkpoint()"
+bench distill 120 $PY -c "import jaxspec.io.default_model as m; m.default_checkpoint()"
 # shellcheck disable=SC2086
 bench distill $((BUDGET + 45)) $PY -m jaxspec.cli distill --out "$RUN" $ARGS --budget-s "$BUDGET" \
   --gen-budget-s "$GEN_BUDGET"

@@ -27,7 +27,10 @@ use_gguf() {  # the GGUF for the default model: joined and checked in call 2 (ca
       return 1
     fi
     cat ~/gguf/gguf.part00 .carry2/gguf.part01 > "$GGUF.part"
-    echo "$(cat .carry2/sha256)  $GGUF.part" | sha256sum -c --quiet || return 1
+    if ! echo "$(cat .carry2/sha256)  $GGUF.part" | sha256sum -c --quiet; then
+      rm "$GGUF.part"
+      return 1
+    fi
     mv "$GGUF.part" "$GGUF"
   fi
   export JAXSPEC_DEFAULT_GGUF="$GGUF"
