@@ -3,17 +3,28 @@
     python benchmarks/make_results.py            # draw the plots (needs matplotlib) and write it
     python benchmarks/make_results.py --check    # exit 1 if RESULTS.md is not what it generates
 
-One section per result file: what it is, date, device, jax, commit, command, a table made from
-the JSON, links to its plots (``benchmarks/plots.py``) and the hand-written notes of
-``benchmarks/notes/<name>.md`` (interpretation, caveats). Known layouts get their own tables
-(``ar_*``, spec-core, ``jaxspec bench``, kernels); any other JSON gets a generic section: its
-metadata, a key/value table of its scalars (nested keys dotted) and a table per list of rows. So a
-new JSON dropped into ``results/`` appears on the next run.
+``results/`` holds one JSON per topic, its latest run. Each gets a section: date, device, jax,
+commit and the command as run, the GPU runner that re-makes it, a compact table, its plots
+(``benchmarks/plots.py``) and its note, ``notes/<name>.md``: what was measured, the caveats.
+``notes/_intro.md`` opens the page.
 
-A notes file may start with front matter, ``---`` lines around ``key: value`` lines: ``title``
-names the section; ``date``, ``device``, ``jax``, ``commit``, ``command`` fill metadata the JSON
-lacks (never override it). A notes file without a JSON (e.g. a run that left only a log) is a
-section of its own. ``notes/_intro.md`` opens the page.
+The table follows the JSON's layout: ``jaxspec bench`` or spec-core method rows, one section per
+device (distill.json), the small-model figures, kernel timings. Any other JSON gets the generic
+table (its top-level values and its first rows), so a new JSON dropped into ``results/`` appears
+on the next run. A note may start with front matter, ``---`` lines around ``key: value`` lines (an
+indented line continues the one above):
+
+    title:    the section's title
+    runner:   the script of benchmarks/gpu/ that re-makes the file
+    date, device, jax, commit, command: what the JSON lacks (they never override it)
+    keys:     a key/value table instead: ``dotted.key = label; other.key`` (labels optional)
+    columns:  the JSON's rows with these columns: ``batch, prefix, speedup``
+    pivot:    the rows as a grid: ``batch, prefix | draft | {speedup:.2f} ({gamma})``: a line per
+              (batch, prefix), a column per draft, cells from the template (several rows in one
+              cell are joined with " / ")
+
+A note without its JSON, or a file in ``results/`` that is not a JSON, is an error: the folder
+holds the latest runs and nothing else (git keeps the older ones).
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
+import string
 import sys
 
 try:
@@ -35,59 +48,28 @@ NOTES = HERE / "notes"
 PLOTS = HERE / "plots"
 OUT = HERE / "RESULTS.md"
 META = ("date", "device", "jax", "commit", "command")
+ROW_LIMIT = 20  # rows of a generic table; the JSON has the rest
 
 # sections in this order (CPU first, then GPU); files not listed follow, by name
 ORDER = [
     "ar_cpu",
     "spec_core",
     "bench_cpu",
-    "distill",
-    "ar_gpu",
-    "small_model",
-    "small_model_trees_s9",
-    "prefill_probe",
-    "small_model_s8",
-    "small_model_defaults",
-    "small_model_fused_6e486ea",
-    "small_model_1k",
     "gamma_sweep_cpu",
-    "small_step_probe",
-    "small_step_probe_s8",
-    "small_step_probe_s9",
-    "spec_core_gpu",
+    "distill",
+    "small_model",
+    "spec_e2e_gpu",
     "bench_h200",
     "bench_h200_peers",
+    "prefill_probe",
+    "small_step_probe",
+    "gpu_decode",
+    "hf_8b",
+    "kernels_h200",
     "magicdec",
-    "magicdec_f39a9f5",
-    "magicdec_distilled",
     "magicdec_8b",
     "swiftspec_2gpu",
-    "swiftspec_2gpu_loops",
-    "swiftspec_2gpu_loops_d3",
-    "gpu_decode",
-    "gpu_decode_s8",
-    "gpu_decode_s9",
-    "kernels_h200",
 ]
-TITLES = {
-    "ar_cpu": "Autoregressive against HF transformers, CPU",
-    "ar_gpu": "Autoregressive against HF transformers, one H200",
-    "spec_core": "Speculative methods with HumanEval prompts, CPU",
-    "spec_core_gpu": "Speculative methods with HumanEval prompts, one H200",
-    "bench_cpu": "`jaxspec bench` with HF peers, CPU",
-    "bench_h200": "`jaxspec bench` with the time split, one H200",
-    "bench_h200_peers": "`jaxspec bench` with HF peers, one H200",
-    "distill": "Distilled draft: acceptance and speed",
-    "small_model": "Small-model latency, one H200",
-    "small_step_probe": "Where a SmolLM2-shape step's time goes, one H200",
-    "magicdec": "MagicDec: batched long-context speculation, one H200",
-    "magicdec_8b": "MagicDec cost model at Llama-3.1-8B shape",
-    "swiftspec_2gpu": "SwiftSpec on two H200s: 8B-shape target, 1B-shape draft",
-    "swiftspec_2gpu_loops": "SwiftSpec's two loops against the serial tree on two H200s, d = 2",
-    "swiftspec_2gpu_loops_d3": "SwiftSpec's two loops against the serial tree on two H200s, d = 3",
-    "gpu_decode": "GPU decode step against the roofline",
-    "kernels_h200": "Pallas decode / tree attention kernel on one H200",
-}
 HEADER = (
     "<!-- Generated by benchmarks/make_results.py from benchmarks/results/*.json and "
     "benchmarks/notes/*.md: edit those and run it again; do not edit this file. -->"
@@ -127,16 +109,53 @@ def table(head: list[str], rows: list[list]) -> str:
 
 
 def front_matter(text: str) -> tuple[dict, str]:
+    """(``key: value`` pairs, the rest) of a note; an indented line continues the value above."""
     lines = text.splitlines()
     if not lines or lines[0].strip() != "---":
         return {}, text.strip()
-    meta = {}
+    meta: dict[str, str] = {}
+    key = None
     for i, line in enumerate(lines[1:], start=1):
         if line.strip() == "---":
             return meta, "\n".join(lines[i + 1 :]).strip()
+        if line[:1].isspace() and key is not None:
+            meta[key] += " " + line.strip()
+            continue
         key, _, value = line.partition(":")
-        meta[key.strip()] = value.strip()
+        key = key.strip()
+        meta[key] = value.strip()
     return {}, text.strip()
+
+
+def anchor(title: str) -> str:
+    """The link target GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def lookup(d: dict, dotted: str):
+    """``d["a"]["b"]`` for ``"a.b"`` (a key with dots of its own is tried whole first)."""
+    if dotted in d:
+        return d[dotted]
+    head, _, rest = dotted.partition(".")
+    if rest and isinstance(d.get(head), dict):
+        return lookup(d[head], rest)
+    return None
+
+
+def cell(template: str, row: dict) -> str:
+    """``template`` with each ``{field}`` (or ``{field:spec}``) filled from ``row``."""
+    out = []
+    for text, field, spec, _ in string.Formatter().parse(template):
+        out.append(text)
+        if field is not None:
+            value = lookup(row, field)
+            if value is None:
+                out.append("-")
+            elif spec and isinstance(value, int | float) and not isinstance(value, bool):
+                out.append(format(value, spec))
+            else:
+                out.append(fmt(value))
+    return "".join(out)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -146,59 +165,93 @@ def is_scalar(v) -> bool:
     return v is None or isinstance(v, str | int | float | bool)
 
 
-def flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
-    """Dotted keys of every scalar (and short scalar list) under ``d``, in order."""
-    out = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out += flatten(v, key + ".")
-        elif is_scalar(v) or (isinstance(v, list) and all(is_scalar(x) for x in v)):
-            out.append((key, v))
-    return out
+def scalar_like(v) -> bool:
+    return is_scalar(v) or (isinstance(v, list) and all(is_scalar(x) for x in v))
 
 
-def row_lists(d: dict, prefix: str = "") -> list[tuple[str, list[dict]]]:
-    """Every list of dicts under ``d`` (``rows``, ``results``...), with its dotted key."""
-    out = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out += row_lists(v, key + ".")
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            out.append((key, v))
-    return out
+def row_lists(d: dict) -> list[tuple[str, list[dict]]]:
+    """Every top-level list of dicts (``rows``, ``results``...), with its key."""
+    return [
+        (k, v)
+        for k, v in d.items()
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+    ]
 
 
-def rows_table(rows: list[dict], limit: int = 80) -> str:
-    """One line per row, one column per scalar field; nested values are named, not shown."""
-    cols: list[str] = []
+def rows_table(rows: list[dict], columns: list[str] | None = None, limit: int | None = None) -> str:
+    """One line per row (the first ``limit``), one column per scalar field (or ``columns``);
+    nested fields are named, not shown."""
+    shown = rows[:limit] if limit else rows
+    cols = list(columns or [])
     nested: list[str] = []
-    for r in rows[:limit]:
-        for k, v in r.items():
-            if is_scalar(v) or (isinstance(v, list) and all(is_scalar(x) for x in v)):
-                cols += [k] if k not in cols else []
-            elif k not in nested:
-                nested.append(k)
-    text = table(cols, [[r.get(c) for c in cols] for r in rows[:limit]])
-    if len(rows) > limit:
-        text += f"\n\n({len(rows) - limit} more rows in the JSON.)"
+    if not columns:
+        for r in shown:
+            for k, v in r.items():
+                if scalar_like(v):
+                    cols += [k] if k not in cols else []
+                elif k not in nested:
+                    nested.append(k)
+    text = table(cols, [[fmt(lookup(r, c)) for c in cols] for r in shown])
+    if len(rows) > len(shown):
+        text += f"\n\n({len(rows) - len(shown)} more rows in the JSON.)"
     if nested:
         text += f"\n\nPer row in the JSON, not shown: {', '.join(f'`{k}`' for k in nested)}."
     return text
 
 
 def generic(data: dict) -> str:
-    skip = set(META) | {"meta"}
-    scalars = [(k, v) for k, v in flatten(data) if k not in skip and not k.startswith("meta.")]
-    parts = []
-    if scalars:
-        parts.append(table(["key", "value"], [[f"`{k}`", v] for k, v in scalars]))
-    for key, rows in row_lists(data):
-        if key == "meta":
-            continue
-        parts.append(f"`{key}`:\n\n{rows_table(rows)}")
+    """The JSON's top-level values, then its first rows: any layout at all."""
+    scalars = [(k, v) for k, v in data.items() if k not in META and scalar_like(v)]
+    parts = [table(["key", "value"], [[f"`{k}`", fmt(v)] for k, v in scalars])] if scalars else []
+    lists = row_lists(data)
+    for key, rows in lists:
+        parts.append(f"`{key}`:\n\n{rows_table(rows, limit=ROW_LIMIT)}")
+    listed = {k for k, _ in lists} | set(META) | {k for k, _ in scalars}
+    nested = [k for k in data if k not in listed]
+    if nested:
+        parts.append(f"Also in the JSON: {', '.join(f'`{k}`' for k in nested)}.")
     return "\n\n".join(parts) or "(no values)"
+
+
+def keys_table(data: dict, spec: str) -> str:
+    """``dotted.key = label; other.key``: one line per key."""
+    rows = []
+    for item in spec.split(";"):
+        key, _, label = (s.strip() for s in item.partition("="))
+        if key:
+            rows.append([label or f"`{key}`", fmt(lookup(data, key))])
+    return table(["", "value"], rows)
+
+
+def main_rows(data: dict) -> list[dict]:
+    lists = dict(row_lists(data))
+    return lists.get("rows") or next(iter(lists.values()), [])
+
+
+def sort_key(values: tuple) -> tuple:
+    """Numbers in order, then everything else by its text."""
+    number = (int, float)
+    return tuple(
+        (0, v, "") if isinstance(v, number) and not isinstance(v, bool) else (1, 0, str(v))
+        for v in values
+    )
+
+
+def pivot_table(rows: list[dict], spec: str) -> str:
+    """``a, b | c | template``: a line per (a, b), a column per value of c (first seen first)."""
+    by, col, template = (s.strip() for s in spec.split("|", 2))
+    keys = [k.strip() for k in by.split(",") if k.strip()]
+    grid: dict[tuple, dict] = {}
+    cols: list = []
+    for r in rows:
+        line, c = tuple(lookup(r, k) for k in keys), lookup(r, col)
+        cols += [c] if c not in cols else []
+        grid.setdefault(line, {}).setdefault(c, []).append(cell(template, r))
+    out = [
+        [*line, *(" / ".join(grid[line].get(c, ["-"])) for c in cols)]
+        for line in sorted(grid, key=sort_key)
+    ]
+    return table([*keys, *(f"{col} {fmt(c)}" for c in cols)], out)
 
 
 def ar_table(d: dict) -> str:
@@ -323,27 +376,74 @@ def split_cell(split: dict | None) -> str:
 
 def sections_body(name: str, d: dict) -> str:
     """A JSON with one section per device (e.g. distill.json's "cpu" and "h200"): each section's
-    own metadata, method table and plots, then the rest as a key/value table."""
+    own metadata, method table and plots."""
     parts = []
     for key in plots_mod.sections(d):
         sub = d[key]
-        m = metadata(sub, {})
-        parts.append(
-            f"### {key}\n\n{m['date']} · {m['device']} · jax {m['jax']} · commit {m['commit']}"
-            f"\n\nCommand: `{m['command']}`\n\n{method_table(sub)}"
-        )
-        said = {*plots_mod.METHOD_KEYS, "model", *(k for k, _ in SETUP)}
-        rest = {k: v for k, v in sub.items() if k not in said}
-        scalars = [(k, v) for k, v in flatten(rest) if k not in META]
-        if scalars:
-            parts.append(table(["key", "value"], [[f"`{k}`", v] for k, v in scalars]))
+        parts.append(f"### {key}\n\n{meta_lines(metadata(sub, {}))}\n\n{method_table(sub)}")
         for plan in plots_mod.plans(f"{name}_{key}", sub, key):
             parts.append(f"![{name} {key}: {plan.caption}](plots/{plan.file})")
-    rest = {k: v for k, v in d.items() if k not in plots_mod.sections(d) and k not in META}
-    scalars = flatten(rest)
-    if scalars:
-        parts.append(table(["key", "value"], [[f"`{k}`", v] for k, v in scalars]))
     return "\n\n".join(parts)
+
+
+# bench_small_model.py's figures: <method>_<draft>_ctx<tokens>[_<variant>]_tok_per_s
+SMALL = re.compile(r"^(chain|tree)_([a-z0-9-]+)_ctx(\d+)(?:_([a-z0-9]+))?_tok_per_s$")
+
+
+def small_model_table(d: dict) -> str:
+    """Tokens/s per method, draft and variant (gamma, tree shape) at each context length."""
+    contexts = sorted(int(k.rsplit("ctx", 1)[1]) for k in d if k.startswith("ar_tok_per_s_b1_ctx"))
+    found = {k: SMALL.match(k) for k in d}
+    matches = [m for m in found.values() if m]
+    runs: dict[tuple, dict[int, str]] = {}
+    for key, m in found.items():
+        if m is None:
+            continue
+        method, draft, ctx, variant = m.groups()
+        if variant is None and any(
+            f.group(1, 2, 3) == (method, draft, ctx) and f.group(4) for f in matches
+        ):
+            continue  # the best variant, repeated under its own name
+        ar = d.get(f"ar_tok_per_s_b1_ctx{ctx}")
+        acc = d.get(key.replace("_tok_per_s", "_acceptance_length"))
+        speed = f" ({d[key] / ar:.2f}x)" if ar else ""
+        runs.setdefault((method, draft, variant or "-"), {})[int(ctx)] = (
+            f"{fmt(d[key])}{speed}, {fmt(acc)}"
+        )
+    head = [
+        "method",
+        "draft",
+        "variant",
+        *(f"{c} tokens: tok/s (vs AR), acceptance" for c in contexts),
+    ]
+    out = [["autoregressive", "-", "-", *(fmt(d[f"ar_tok_per_s_b1_ctx{c}"]) for c in contexts)]]
+    out += [[*run, *(runs[run].get(c, "-") for c in contexts)] for run in sorted(runs)]
+    facts = [
+        f"first token after {c} prompt tokens: {fmt(d[f'first_token_ms_ctx{c}'])} ms"
+        for c in contexts
+        if f"first_token_ms_ctx{c}" in d
+    ]
+    if "hf_eager_tok_per_s_b1" in d:
+        hf = f"HF transformers eager `generate` on the same GPU: {fmt(d['hf_eager_tok_per_s_b1'])}"
+        hf += " tok/s"
+        if "ar_tok_per_s_b1_short_prompt" in d:
+            hf += f" (jaxspec {fmt(d['ar_tok_per_s_b1_short_prompt'])} on that short prompt)"
+        facts.append(hf)
+    step = d.get("step_1b")
+    if isinstance(step, dict) and "ms_per_step" in step:
+        facts.append(
+            f"Llama-3.2-1B-shape step ({step.get('case')}): {fmt(step['ms_per_step'])} ms, "
+            f"{fmt(step.get('floor_over_ms'))} of its {fmt(step.get('floor_ms'))} ms floor"
+        )
+    for key in ("fast_path_check", "fast_path_check_f32"):
+        checks = d.get(key)
+        if isinstance(checks, dict):
+            same = sum(1 for c in checks.values() if isinstance(c, dict) and c.get("identical"))
+            facts.append(f"`{key}`: {same} of {len(checks)} runs give the reference's tokens")
+    setup = ", ".join(f"{k} {fmt(d[k])}" for k in ("model", "dtype", "new_tokens") if k in d)
+    if isinstance(d.get("tree_shape"), dict):
+        setup += f"; trees: {fmt(d['tree_shape'])}"
+    return table(head, out) + "\n\n" + "; ".join([setup, *facts]) + "."
 
 
 def kernels_table(d: dict) -> str:
@@ -372,28 +472,43 @@ def kernels_table(d: dict) -> str:
     return table(head, out) + "\n\n" + note.strip()
 
 
-def body_table(name: str, d: dict) -> str:
+def layout_table(name: str, d: dict) -> str:
     """The layout's own table; the generic one when the layout is unknown or its JSON does not
     have the fields the layout's table needs (so a new variant never breaks the page)."""
     try:
         if "jaxspec_greedy_tok_per_s" in d:
             return ar_table(d)
+        if any(k.startswith("ar_tok_per_s_b1_ctx") for k in d):
+            return small_model_table(d)
         if plots_mod.method_rows(d):
             return method_table(d)
         if isinstance(d.get("results"), list) and d["results"] and "impl" in d["results"][0]:
             return kernels_table(d)
         if plots_mod.sections(d):
             return sections_body(name, d)
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
         pass
     return generic(d)
+
+
+def body_table(name: str, d: dict, view: dict) -> str:
+    """The tables the note's front matter asks for (``keys``, ``columns``, ``pivot``), else the
+    layout's."""
+    parts = []
+    if view.get("keys"):
+        parts.append(keys_table(d, view["keys"]))
+    if view.get("columns"):
+        columns = [c.strip() for c in view["columns"].split(",") if c.strip()]
+        parts.append(rows_table(main_rows(d), columns))
+    if view.get("pivot"):
+        parts.append(pivot_table(main_rows(d), view["pivot"]))
+    return "\n\n".join(parts) or layout_table(name, d)
 
 
 # ----------------------------------------------------------------------------- sections
 
 
-def metadata(d: dict | None, notes_meta: dict) -> dict:
-    d = d or {}
+def metadata(d: dict, notes_meta: dict) -> dict:
     inner = d.get("meta") if isinstance(d.get("meta"), dict) else {}
     out = {}
     for key in META:
@@ -406,55 +521,71 @@ def metadata(d: dict | None, notes_meta: dict) -> dict:
     return out
 
 
-def section(name: str, data: dict | None, notes: str | None, source: str) -> str:
-    meta_n, body = front_matter(notes or "")
-    title = meta_n.get("title") or TITLES.get(name) or name.replace("_", " ")
-    m = metadata(data, meta_n)
-    parts = [f"## {title}"]
-    parts.append(
-        f"`{source}` · {m['date']} · {m['device']} · jax {m['jax']} · commit {m['commit']}"
+def meta_lines(m: dict) -> str:
+    return (
+        f"{m['date']} · {m['device']} · jax {m['jax']} · commit {m['commit']}"
         f"\n\nCommand: `{m['command']}`"
     )
-    if data is not None:
-        parts.append(body_table(name, data))
-        for plan in plots_mod.plans(name, data):
-            if plan.section is None:  # a section's plots sit in its own part
-                parts.append(f"![{name}: {plan.caption}](plots/{plan.file})")
+
+
+def title_of(name: str, notes: str | None) -> str:
+    return front_matter(notes or "")[0].get("title") or name.replace("_", " ")
+
+
+def section(name: str, data: dict, notes: str | None) -> str:
+    meta_n, body = front_matter(notes or "")
+    parts = [
+        f"## {title_of(name, notes)}",
+        f"`results/{name}.json` · {meta_lines(metadata(data, meta_n))}",
+    ]
+    if meta_n.get("runner"):
+        parts.append(f"Re-run on a GPU: `bash {meta_n['runner']}` (benchmarks/gpu/README.md)")
+    parts.append(body_table(name, data, meta_n))
+    for plan in plots_mod.plans(name, data):
+        if plan.section is None:  # a section's plots sit in its own part
+            parts.append(f"![{name}: {plan.caption}](plots/{plan.file})")
     if body:
         parts.append(body)
     return "\n\n".join(parts)
 
 
-def collect() -> list[tuple[str, dict | None, str | None, str]]:
-    """(name, data, notes text, source file) of every result, in page order."""
-    found: dict[str, tuple] = {}
+def collect() -> list[tuple[str, dict, str | None]]:
+    """(name, data, notes text) of every result, in page order."""
+    others = (
+        sorted(p.name for p in RESULTS.iterdir() if p.suffix != ".json") if RESULTS.is_dir() else []
+    )
+    if others:
+        raise ValueError(
+            f"results/ holds only the JSON of each topic's latest run; remove {', '.join(others)}"
+        )
+    found = {}
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            data = {"values": data}
-        found[path.stem] = (data, f"results/{path.name}")
-    for path in sorted(NOTES.glob("*.md")):
-        if path.stem.startswith("_") or path.stem in found:
-            continue
-        logs = sorted(RESULTS.glob(f"{path.stem}.*"))
-        found[path.stem] = (None, f"results/{logs[0].name}" if logs else f"notes/{path.name}")
+        found[path.stem] = data if isinstance(data, dict) else {"values": data}
+    orphans = [
+        p.name for p in sorted(NOTES.glob("*.md")) if p.stem[0] != "_" and p.stem not in found
+    ]
+    if orphans:
+        raise ValueError(f"notes without a results/ JSON: {', '.join(orphans)}")
     order = {n: i for i, n in enumerate(ORDER)}
     names = sorted(found, key=lambda n: (order.get(n, len(ORDER)), n))
-    out = []
-    for n in names:
-        notes = NOTES / f"{n}.md"
-        data, source = found[n]
-        out.append((n, data, notes.read_text() if notes.is_file() else None, source))
-    return out
+    notes = {n: NOTES / f"{n}.md" for n in names}
+    return [(n, found[n], notes[n].read_text() if notes[n].is_file() else None) for n in names]
 
 
 def render() -> str:
     intro = NOTES / "_intro.md"
+    results = collect()
     parts = ["# Results", HEADER]
     if intro.is_file():
         parts.append(intro.read_text().strip())
-    for name, data, notes, source in collect():
-        parts.append(section(name, data, notes, source))
+    contents = []
+    for name, data, notes in results:
+        title = title_of(name, notes)
+        m = metadata(data, front_matter(notes or "")[0])
+        contents.append(f"- [{title}](#{anchor(title)}) · {m['device']} · {m['date']}")
+    parts.append("\n".join(contents))
+    parts += [section(name, data, notes) for name, data, notes in results]
     return "\n\n".join(parts) + "\n"
 
 
@@ -462,8 +593,7 @@ def planned_plots() -> list[tuple[str, pathlib.Path]]:
     """(result name, PNG path) of every plot RESULTS.md links."""
     return [
         (name, PLOTS / plan.file)
-        for name, data, _, _ in collect()
-        if data is not None
+        for name, data, _ in collect()
         for plan in plots_mod.plans(name, data)
     ]
 
@@ -473,7 +603,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md would change")
     ap.add_argument("--no-plots", action="store_true", help="do not draw the plots")
     args = ap.parse_args(argv)
-    text = render()
+    try:
+        text = render()
+    except ValueError as e:
+        print(f"{RESULTS}: {e}", file=sys.stderr)
+        return 1
     if args.check:
         same = OUT.is_file() and OUT.read_text() == text
         missing = [str(p) for _, p in planned_plots() if not p.is_file()]
@@ -488,7 +622,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("matplotlib is not installed: plots not drawn (pip install matplotlib)")
         else:
-            for name, _ in {n: p for n, p in planned_plots()}.items():
+            for name in dict(planned_plots()):
                 plots_mod.draw_all([RESULTS / f"{name}.json"], PLOTS)
     OUT.write_text(text)
     print(f"wrote {OUT}")

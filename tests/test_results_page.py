@@ -1,35 +1,64 @@
-"""benchmarks/RESULTS.md is generated from the JSONs and notes (so it cannot drift from them),
-every layout gets a section, and the plots are drawn from the JSONs."""
+"""benchmarks/RESULTS.md is generated from results/ (the latest run per topic) and the notes, so it
+cannot drift from them: every kept result has a section with its metadata, table, plots and note;
+every layout, and a JSON of no known layout, gets a table; --check fails on a stale page."""
 
 import json
+import pathlib
 
 import pytest
 
 from benchmarks import make_results, plots
 
 
+def assert_on_page(text: str, *parts: str) -> None:
+    missing = [p for p in parts if p not in text]
+    assert not missing, missing
+
+
 def test_committed_results_page_is_the_generators_output():
-    text = make_results.render()
-    assert make_results.OUT.read_text() == text, (
+    assert make_results.OUT.read_text() == make_results.render(), (
         "benchmarks/RESULTS.md is out of date: run python benchmarks/make_results.py"
     )
+    assert make_results.main(["--check"]) == 0
+
+
+def test_every_kept_result_has_a_section_with_its_metadata_table_plots_and_note():
+    text = make_results.OUT.read_text()
+    sections = {
+        sec.split("`results/", 1)[1].split("`", 1)[0]: sec for sec in text.split("\n## ")[1:]
+    }
+    names = sorted(p.name for p in make_results.RESULTS.iterdir())
+    assert names and all(n.endswith(".json") for n in names), names  # the latest runs, no logs
+    assert sorted(sections) == names
+    for name in names:
+        sec, data = sections[name], json.loads((make_results.RESULTS / name).read_text())
+        note = make_results.NOTES / name.replace(".json", ".md")
+        meta, body = make_results.front_matter(note.read_text() if note.is_file() else "")
+        m = make_results.metadata(data, meta)
+        assert "not recorded" not in m.values(), (name, m)
+        where = f"`results/{name}` · {m['date']} · {m['device']}"
+        assert sec.splitlines()[2] == f"{where} · jax {m['jax']} · commit {m['commit']}", name
+        assert f"\n\nCommand: `{m['command']}`" in sec, name
+        assert "\n| --- |" in sec and body in sec, name
     for name, png in make_results.planned_plots():
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", (name, png)
         assert f"(plots/{png.name})" in text
-    # every result file has its section, and every section says where its numbers come from
-    for path in make_results.RESULTS.glob("*.json"):
-        assert f"`results/{path.name}` · " in text, path.name
-    sections = text.split("\n## ")[1:]
-    assert sections and all("\nCommand: `" in sec for sec in sections), [
-        sec.splitlines()[0] for sec in sections if "\nCommand: `" not in sec
-    ]
+    linked = {line.split("](plots/", 1)[1][:-1] for line in text.splitlines() if "](plots/" in line}
+    assert sorted(p.name for p in make_results.PLOTS.glob("*.png")) == sorted(linked)
 
 
-def test_every_hand_written_note_is_on_the_page():
-    text = make_results.OUT.read_text()
-    for path in make_results.NOTES.glob("*.md"):
-        _, body = make_results.front_matter(path.read_text())
-        assert body in text, path.name
+def test_each_gpu_runner_remakes_a_kept_result():
+    """The runner a note names exists, and every runner of benchmarks/gpu/ is named by a note."""
+    gpu = make_results.HERE / "gpu"
+    named = set()
+    for note in make_results.NOTES.glob("[!_]*.md"):
+        runner = make_results.front_matter(note.read_text())[0].get("runner")
+        if runner:
+            script = runner.split()[0]
+            assert (make_results.HERE.parent / script).is_file(), (note.name, runner)
+            named.add(pathlib.Path(script).name)
+    helpers = {"env.sh", "lib.sh"}
+    assert sorted(p.name for p in gpu.glob("*.sh") if p.name not in helpers) == sorted(named)
 
 
 BENCH = {
@@ -148,7 +177,32 @@ DISTILL = {
     "device": "NVIDIA H200 x2",
     "what": "acceptance per draft",
 }
-UNKNOWN = {"device": "NVIDIA H200", "ms_per_token": 4.125, "nested": {"a": 1, "b": [1, 2]}}
+UNKNOWN = {
+    "date": "2026-12-02",
+    "device": "NVIDIA H200",
+    "jax": "0.11.2",
+    "ms_per_token": 4.125,
+    "label": "new",
+    "nested": {"a": 1, "b": [1, 2]},
+    "rows": [{"case": f"c{i}", "ms": i / 8, "detail": {"x": i}} for i in range(25)],
+}
+SMALL = {  # bench_small_model.py's flat figures
+    "model": "SmolLM2",
+    "tree_shape": {"depth": 4, "width": 8},
+    "ar_tok_per_s_b1_ctx1024": 1000.0,
+    "first_token_ms_ctx1024": 4.5,
+    "chain_ngram_ctx1024_gamma4_tok_per_s": 2000.0,
+    "chain_ngram_ctx1024_gamma4_acceptance_length": 2.1,
+    "chain_ngram_ctx1024_tok_per_s": 2000.0,  # the best gamma again: not a row of its own
+    "tree_ngram_ctx1024_tok_per_s": 1500.0,
+    "tree_ngram_ctx1024_acceptance_length": 2.0,
+    "ar_tok_per_s_b1_ctx4096": 800.0,
+    "chain_ngram_ctx4096_gamma4_tok_per_s": 2400.0,
+    "chain_ngram_ctx4096_gamma4_acceptance_length": 3.5,
+    "hf_eager_tok_per_s_b1": 40.0,
+    "step_1b": {"case": "1b:1:4096:1:1", "ms_per_step": 1.2, "floor_ms": 0.6, "floor_over_ms": 0.5},
+    "fast_path_check": {"a": {"identical": True}, "b": {"identical": False}},
+}
 
 
 @pytest.fixture
@@ -167,44 +221,123 @@ def test_sections_for_each_layout_in_page_order(folders):
     (res / "bench_cpu.json").write_text(json.dumps(BENCH))
     (res / "magicdec.json").write_text(json.dumps(MAGICDEC))
     (res / "magicdec_8b.json").write_text(json.dumps(MAGICDEC_8B))
-    (res / "zz_new.json").write_text(json.dumps(UNKNOWN))
-    (res / "old_run.log").write_text("a log\n")
     (notes / "_intro.md").write_text("Intro prose.\n")
-    (notes / "zz_new.md").write_text(
-        "---\ntitle: A new result\ncommit: 9999999\ndevice: ignored\n---\nWhat it means.\n"
+    (notes / "bench_cpu.md").write_text(
+        "---\ntitle: Bench\nrunner: benchmarks/gpu/bench.sh\n---\nWords.\n"
     )
-    (notes / "old_run.md").write_text("---\ntitle: Only a log\n---\nThe log said 3.\n")
     text = make_results.render()
     heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    assert heads == [
-        "## `jaxspec bench` with HF peers, CPU",
-        "## MagicDec: batched long-context speculation, one H200",
-        "## MagicDec cost model at Llama-3.1-8B shape",
-        "## Only a log",
-        "## A new result",
-    ]
+    assert heads == ["## Bench", "## magicdec", "## magicdec 8b"]  # ORDER, then by name
     assert text.startswith("# Results\n") and "Intro prose." in text
-    # bench: one row per method and peer, token match, skipped peer, setup line, plots
-    assert "| chain | ngram | gamma 4 | 31.5 | 2.5 | 30 | 40 | 1.575x | 2/2 |" in text
-    assert "| hf (HF, cpu, float32) | - | - | 12.25 | 1 | 80 | 90 | 0.6125x | 1/2 |" in text
-    assert "skipped: no HF counterpart" in text
-    assert "2 prompts of HumanEval, MIT licence" in text
-    assert "(plots/bench_cpu_tokens_per_s.png)" in text
-    assert "(plots/bench_cpu_acceptance.png)" in text
-    assert "commit abc1234" in text and "Command: `jaxspec bench --peers hf,hf-assisted`" in text
-    # magicdec rows table and its speedup plot
-    assert "| batch | prefix | draft | gamma | alpha | speedup |" in text
-    assert "| 8 | 2048 | self-snapkv | 3 | 0.8 | 1.25 |" in text
-    assert "(plots/magicdec_speedup.png)" in text
-    assert "| batch | prefix | gamma | predicted_speedup |" in text
-    assert "| 32 | 4096 | 3 | 1.4 |" in text and "not shown: `t_v`." in text
-    assert "(plots/magicdec_8b_speedup.png)" in text
-    # unknown: generic key/value table; front matter fills only what the JSON lacks
-    assert "| `ms_per_token` | 4.125 |" in text and "| `nested.b` | 1, 2 |" in text
-    assert "NVIDIA H200 · jax not recorded · commit 9999999" in text
-    assert "What it means." in text
-    # a notes file without a JSON names the log it stands for
-    assert "`results/old_run.log` · not recorded" in text and "The log said 3." in text
+    where = "`results/bench_cpu.json` · 2026-12-01 · CPU (2 cores, x86_64)"
+    assert_on_page(
+        text,
+        # the contents list links every section, with its device and date
+        "- [Bench](#bench) · CPU (2 cores, x86_64) · 2026-12-01",
+        "- [magicdec 8b](#magicdec-8b) · not recorded · not recorded",
+        # bench: its metadata and runner, one row per method and peer, setup line, plots, note
+        f"{where} · jax 0.11.2 · commit abc1234",
+        "Command: `jaxspec bench --peers hf,hf-assisted`",
+        "Re-run on a GPU: `bash benchmarks/gpu/bench.sh`",
+        "| chain | ngram | gamma 4 | 31.5 | 2.5 | 30 | 40 | 1.575x | 2/2 |",
+        "| hf (HF, cpu, float32) | - | - | 12.25 | 1 | 80 | 90 | 0.6125x | 1/2 |",
+        "skipped: no HF counterpart",
+        "2 prompts of HumanEval, MIT licence",
+        "(plots/bench_cpu_tokens_per_s.png)",
+        "(plots/bench_cpu_acceptance.png)",
+        "Words.",
+        # magicdec: the rows tables and the speedup plots
+        "| batch | prefix | draft | gamma | alpha | speedup |",
+        "| 8 | 2048 | self-snapkv | 3 | 0.8 | 1.25 |",
+        "(plots/magicdec_speedup.png)",
+        "| batch | prefix | gamma | predicted_speedup |",
+        "| 32 | 4096 | 3 | 1.4 |",
+        "not shown: `t_v`.",
+        "(plots/magicdec_8b_speedup.png)",
+    )
+    assert text.count("Re-run on a GPU") == 1  # no runner line without a note naming one
+
+
+def test_a_new_json_dropped_in_appears_with_the_generic_table(folders):
+    (folders / "results" / "zz_new.json").write_text(json.dumps(UNKNOWN))
+    (folders / "results" / "a_list.json").write_text(json.dumps([1, 2]))
+    text = make_results.render()
+    assert "\n## zz new\n" in text and "\n## a list\n" in text
+    assert (
+        "`results/zz_new.json` · 2026-12-02 · NVIDIA H200 · jax 0.11.2 · commit not recorded"
+        in text
+    )
+    assert "| `ms_per_token` | 4.125 |" in text and "| `label` | new |" in text
+    assert "| case | ms |" in text and "| c19 | 2.375 |" in text and "| c20 |" not in text
+    assert "(5 more rows in the JSON.)" in text and "not shown: `detail`." in text
+    assert "Also in the JSON: `nested`." in text
+    assert "| `values` | 1, 2 |" in text
+
+
+def test_front_matter_chooses_the_table(folders):
+    """keys (with labels, over continued lines), columns and pivot replace the layout's table."""
+    (folders / "results" / "magicdec.json").write_text(json.dumps(MAGICDEC))
+    (folders / "notes" / "magicdec.md").write_text(
+        "---\n"
+        "title: Views\n"
+        "keys: date = run on;\n"
+        "  command; no.such.key\n"
+        "columns: prefix, speedup\n"
+        "pivot: prefix, batch | gamma | {speedup:.2f}x ({draft})\n"
+        "commit: from the note\n"
+        "device: not used: the JSON has one\n"
+        "---\n"
+        "Note.\n"
+    )
+    text = make_results.render()
+    assert_on_page(
+        text,
+        "| run on | 2026-12-01 |",
+        "| `command` | python3 benchmarks/bench_magicdec.py |",
+        "| `no.such.key` | - |",
+        "| prefix | speedup |\n| --- | --- |\n| 2048 | 0.9 |",
+        "| prefix | batch | gamma 2 | gamma 3 |",
+        "| 2048 | 8 | 1.10x (self-snapkv) | 1.25x (self-snapkv) |",
+        "| 4096 | 1 | 1.00x (self-snapkv) | - |",
+    )
+    assert "| batch | prefix | draft | gamma | alpha | speedup |" not in text  # the layout's table
+    assert "· NVIDIA H200 · jax 0.11.2 · commit def5678" in text  # the JSON's own win
+    (folders / "results" / "magicdec.json").write_text(json.dumps({**MAGICDEC, "commit": None}))
+    assert "· commit from the note" in make_results.render()
+
+
+def test_small_model_figures_get_their_table(folders):
+    (folders / "results" / "small_model.json").write_text(json.dumps(SMALL))
+    text = make_results.render()
+    head = "| method | draft | variant | 1024 tokens: tok/s (vs AR), acceptance |"
+    assert head + " 4096 tokens: tok/s (vs AR), acceptance |" in text
+    assert_on_page(
+        text,
+        "| autoregressive | - | - | 1000.0 | 800 |",
+        "| chain | ngram | gamma4 | 2000.0 (2.00x), 2.1 | 2400.0 (3.00x), 3.5 |",
+        "| tree | ngram | - | 1500.0 (1.50x), 2 | - |",
+        "first token after 1024 prompt tokens: 4.5 ms",
+        "HF transformers eager `generate` on the same GPU: 40 tok/s;",
+        "1.2 ms, 0.5 of its 0.6 ms floor",
+        "trees: depth 4, width 8",
+        "`fast_path_check`: 1 of 2 runs give the reference's tokens",
+    )
+    assert "| chain | ngram | - |" not in text  # the best gamma is not a row of its own
+
+
+def test_notes_without_a_json_and_stray_files_are_errors(folders, capsys):
+    (folders / "results" / "kept.json").write_text(json.dumps(UNKNOWN))
+    (folders / "notes" / "gone.md").write_text("A note whose run was deleted.\n")
+    with pytest.raises(ValueError, match="gone.md"):
+        make_results.render()
+    assert make_results.main(["--no-plots"]) == 1
+    assert "gone.md" in capsys.readouterr().err and not make_results.OUT.exists()
+    (folders / "notes" / "gone.md").unlink()
+    (folders / "results" / "kept.log").write_text("a log\n")
+    with pytest.raises(ValueError, match="kept.log"):
+        make_results.render()
+    (folders / "results" / "kept.log").unlink()
+    assert make_results.main(["--no-plots"]) == 0
 
 
 def test_bench_time_split_gets_a_column(folders):
@@ -231,12 +364,12 @@ def test_bench_time_split_gets_a_column(folders):
 def test_per_device_sections_get_their_own_tables_and_plots(folders, tmp_path):
     (folders / "results" / "distill.json").write_text(json.dumps(DISTILL))
     text = make_results.render()
-    assert "## Distilled draft: acceptance and speed" in text
+    assert "\n## distill\n" in text
     cpu, h200 = text.split("### cpu")[1].split("### h200")
     assert "CPU (2 cores, x86_64) · jax 0.11.2 · commit 1111111" in cpu
     assert "| chain | distilled | gamma 4 | 40 | 2.75 | 2x | 2/2 |" in cpu
     assert "| chain | distilled | gamma 4 | 1400.0 | 2.75 | 2x | 2/2 |" in h200
-    assert "| `draft.stored_bytes` | 4000000 |" in cpu and "| `what` | acceptance" in h200
+    assert "draft.stored_bytes" not in text and "| `what` |" not in text  # compact: tables only
     files = [p.file for p in plots.plans("distill", DISTILL)]
     assert files == [
         "distill_cpu_tokens_per_s.png",
@@ -263,6 +396,10 @@ def test_check_mode_fails_on_a_stale_page(folders):
     assert make_results.main(["--check"]) == 0
     (folders / "results" / "zz_new.json").write_text(json.dumps({**UNKNOWN, "ms_per_token": 5}))
     assert make_results.main(["--check"]) == 1
+    assert make_results.main(["--no-plots"]) == 0 and make_results.main(["--check"]) == 0
+    (folders / "results" / "magicdec.json").write_text(json.dumps(MAGICDEC))  # a plotted layout
+    assert make_results.main(["--no-plots"]) == 0
+    assert make_results.main(["--check"]) == 1  # its plot is missing
 
 
 def test_plots_are_drawn_from_the_jsons(tmp_path):

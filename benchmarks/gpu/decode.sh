@@ -1,22 +1,15 @@
 #!/usr/bin/env bash
-# GPU (nvidia-h200-x2): decode/verify step times of the 8B, 1B and SmolLM2 shapes against their
-# floors, with XLA flag variants as separate processes (flags are read when jax starts).
-# Usage: benchmarks/gpu/decode.sh [budget seconds for the default variant]
+# Decode and verify steps against their HBM floor (bench_decode_gpu.py), random bf16 weights:
+# SmolLM2, Llama-3.2-1B and Llama-3-8B shapes, batch 1 and 64, verify blocks of 8 and 16, tensor
+# parallel over two GPUs when the machine has them (nvidia-h200-x2); then the batch-1 steps
+# without the 8-row GEMM padding. No GGUF needed. About 5 minutes.
+# Writes $OUT/gpu_decode.json (its rows; results/gpu_decode.json also names its headline figures).
 set -u
 source benchmarks/gpu/env.sh
-B=${1:-240}
-J="$OUT/decode_rows.json"
-run() {  # label, budget, cases, extra XLA flags
-  JAXSPEC_LABEL=$1 XLA_FLAGS="${4:-}" timeout $(($2 + 60)) python3 benchmarks/bench_decode_gpu.py \
-    --budget-s "$2" --cases "$3" --out "$J" 2>&1 | grep -v "^\s*$" | grep -v "^W0000\|^I0000" | tail -12
-}
-CB="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-run default "$B" smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:8,8b:1:4096:16,8b:64:4096:1,8b:1:4096:1:2
-run cmdbuf 60 smol:1:1024:1,1b:1:4096:1,8b:1:4096:1 "$CB"
-run tp2_collective_kernels 45 8b:1:4096:1:2 "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
-run tp2_collective_kernels_cmdbuf 45 8b:1:4096:1:2 "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE $CB,+COLLECTIVES"
-python3 - "$J" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"{r['label']:>30} {r['case']:>18} " + (f"{r['ms_per_step']:8.3f} ms  floor {r['floor_ms']:.3f}  {r['floor_over_ms']:.2f}  fus {r['fusion_ops']} cc {r['custom_calls']}" if "ms_per_step" in r else r["error"][:120]))
-PY
+source benchmarks/gpu/lib.sh
+cases=smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:8,8b:1:4096:16,8b:64:4096:1
+[ "$(gpus)" -ge 2 ] && cases+=,8b:1:4096:1:2
+bench gpu_decode 360 python3 benchmarks/bench_decode_gpu.py --label default --cases "$cases" \
+  --budget-s 240 --out "$OUT/gpu_decode.json"
+bench gpu_decode 150 env JAXSPEC_MIN_GEMM_ROWS=1 python3 benchmarks/bench_decode_gpu.py \
+  --label rows1 --cases smol:1:1024:1,1b:1:4096:1,8b:1:4096:1 --out "$OUT/gpu_decode.json"

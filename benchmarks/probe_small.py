@@ -2,7 +2,7 @@
 device loop and, from a profiler trace of the same loop, GPU kernel count, busy time and the
 kernels that take it, per step.
 
-    python benchmarks/gpu/probe_small.py --label NAME [--context 1024] [--batch 1] [--out DIR]
+    python benchmarks/probe_small.py --label NAME [--context 1024] [--batch 1] [--out DIR]
 Run it under different XLA_FLAGS to compare compiler options (one process per setting). With
 ``--batch 128 --context 512`` it is the shape of a MagicDec self-draft step (a 512-token sparse
 cache) at batch 128.

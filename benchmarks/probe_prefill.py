@@ -6,9 +6,9 @@ each context, prefill chunk and attention implementation
 kernels: the flash kernel for chunks wider than 64 tokens). Prints one JSON row per setting and
 writes them all to ``--out``.
 
-    python benchmarks/gpu/probe_prefill.py --contexts 1024,4096 --chunks 256,1024,4096 \\
+    python benchmarks/probe_prefill.py --contexts 1024,4096 --chunks 256,1024,4096 \\
         --impls reference,auto --out prefill.json
-    python benchmarks/gpu/probe_prefill.py --shape smoke --contexts 64 --chunks 32 \\
+    python benchmarks/probe_prefill.py --shape smoke --contexts 64 --chunks 32 \\
         --impls reference          # CPU check of the script
 """
 
