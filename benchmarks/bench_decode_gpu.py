@@ -19,7 +19,6 @@ JSON (``--out``) as each case finishes, so a timeout keeps what was measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -32,7 +31,8 @@ import jax.numpy as jnp
 from benchmarks.common import metadata
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
-from jaxspec.kernels import fused_kernels_off
+from jaxspec.kernels import KernelConfig
+from jaxspec.model import sharding
 from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model.transformer import apply, new_model
 from jaxspec.timing import median_ms
@@ -72,16 +72,17 @@ def kv_bytes(cfg: ModelConfig, batch: int, context: int, itemsize: int) -> int:
     return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def make_loop(graphdef, steps: int, t: int):
-    """A jitted loop of ``steps`` forwards of ``t`` tokens per row; each step's argmax feeds the
-    next (so steps cannot overlap) and the cache is donated (written in place)."""
+def make_loop(net, steps: int, t: int):
+    """A jitted loop of ``steps`` forwards of ``t`` tokens per row of the model ``net`` describes
+    (on its flat weights); each step's argmax feeds the next (so steps cannot overlap) and the
+    cache is donated (written in place)."""
 
     def run(params, cache, tok):
         def body(_, carry):
             cache, tok = carry
             b = tok.shape[0]
             block = causal_block(cache.length, cache.length, jnp.full((b,), t, jnp.int32), t)
-            logits, cache = apply(graphdef, params, tok, cache, block)
+            logits, cache = apply(net, params, tok, cache, block)
             cache = KVCache(k=cache.k, v=cache.v, length=cache.length + t)
             return cache, jnp.argmax(logits, -1).astype(jnp.int32)
 
@@ -117,34 +118,26 @@ def kernel_count(exe_text: str) -> dict:
     return counts
 
 
-def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
+def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype, kernels) -> dict:
     cfg = SHAPES[case.shape]
     devices = jax.devices()[: case.tp]
     model = new_model(cfg, seed=0, dtype=dtype)
-    params = model.params
     cap = case.context + steps * case.t + 8
     cache = init_cache(cfg, case.batch, cap, dtype)
     cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((case.batch,), case.context, jnp.int32))
-    if case.tp > 1:
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxspec.engines.swiftspec.engine import place
-        from jaxspec.model.transformer import sharding
-
-        params, mesh = place(params, cfg, devices)
-        kv = NamedSharding(mesh, PartitionSpec(None, None, sharding.TP, None))
-        rep = NamedSharding(mesh, PartitionSpec())
+    if case.tp > 1:  # sharded weights: the Net resolves without the fused kernels, as engines do
+        model, rep = sharding.place(model, devices)
+        kv = jax.NamedSharding(rep.mesh, jax.P(None, None, sharding.TP, None))
         cache = KVCache(
             k=[jax.device_put(x, kv) for x in cache.k],
             v=[jax.device_put(x, kv) for x in cache.v],
             length=jax.device_put(cache.length, rep),
         )
+    net, params = model.net(kernels), model.flat
     tok = jnp.zeros((case.batch, case.t), jnp.int32)
-    loop = make_loop(model.graphdef, steps, case.t)
+    loop = make_loop(net, steps, case.t)
     t0 = time.perf_counter()
-    # sharded weights: no fused kernels (they have no partitioning rule), as the engines do
-    with fused_kernels_off() if case.tp > 1 else contextlib.nullcontext():
-        exe = loop.lower(params, cache, tok).compile()
+    exe = loop.lower(params, cache, tok).compile()
     compile_s = time.perf_counter() - t0
     text = exe.as_text()
     counts = kernel_count(text)
@@ -174,6 +167,7 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype) -> dict:
         "weight_gb": round(wbytes / 1e9, 3),
         "kv_gb": round(kbytes / 1e9, 3),
         "compile_s": round(compile_s, 1),
+        "kernels": net.kernels.describe(),
         **counts,
     }
 
@@ -201,6 +195,7 @@ def main():
         else [Case.parse(c) for c in args.cases.split(",") if c]
     )
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    kernels = KernelConfig.from_env()
     out = pathlib.Path(args.out)
     payload = json.loads(out.read_text()) if out.is_file() else {**metadata(), "rows": []}
     for case in cases:
@@ -208,7 +203,7 @@ def main():
             print(f"budget spent: skipping {case.name}", flush=True)
             continue
         try:
-            row = run_case(case, args.steps, args.reps, args.hbm_tbs, dtype)
+            row = run_case(case, args.steps, args.reps, args.hbm_tbs, dtype, kernels)
         except Exception as e:  # a failed case is recorded, the others still run
             row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         row["label"] = args.label

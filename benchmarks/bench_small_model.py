@@ -1,35 +1,35 @@
-"""Small-model latency (issue 10): the real SmolLM2-135M-Instruct at batch 1.
+"""Small-model latency: the real SmolLM2-135M-Instruct at batch 1, as a user calls ``generate``.
 
-Writes ``small_model.json`` with, at contexts 1024 and 4096 (a prompt of real text, HumanEval
-prompts (OpenAI, MIT licence) concatenated, so the cache holds about that many tokens by the end):
+    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--contexts 1024,4096]
+        [--peer PATH/torch_cudagraph.py] [--out small_model.json]
 
-* ``ar_tok_per_s_b1_ctx*``: jaxspec autoregressive (the whole loop on device), greedy; every
-  ``*_tok_per_s*`` counts the whole call, the prompt's prefill included;
-* ``first_token_ms_ctx*`` (a one-token call) and ``*_decode_tok_per_s_b1_ctx*`` (the tokens
-  a call makes beyond a half-length call over the time it takes beyond it), with
-  ``*_decode_over_ar_ctx*``: the decoding rates without the prefill that every method shares;
-* ``chain_tok_per_s_b1_ctx*`` / ``tree_tok_per_s_b1_ctx*``: with each draft given (the distilled
-  draft when ``--draft PATH`` names one, and ``ngram``); the best is also reported. With
-  ``--gammas``, chain runs at each gamma too (``chain_<draft>_ctx*_gamma<g>_*``) and each draft's
-  figure is its best gamma's (``chain_<draft>_ctx*_gamma``);
-* ``hf_eager_tok_per_s_b1``: HF transformers' eager ``generate`` on the same weights and GPU,
-  measured in the same run (short chat prompt, as ``bench_autoregressive.py``);
-* ``fast_path_check``: greedy tokens of the fast path (the Pallas attention kernel) against the
-  plain path (the jnp reference attention) on the same prompt, and of chain/tree against
-  autoregressive; at a difference the target's top-2 logit gap there (bf16 near-tie rule);
-* ``fast_path_check_f32``: the losslessness rule itself on the GPU, at the first context: the
-  model in float32 with IEEE float32 dots (matmul precision "highest"; XLA's GPU default is
-  TF32), chain and tree with each draft against autoregressive decoding, tokens equal;
-* ``step_1b``: a Llama-3.2-1B-shape decode step (random weights) against its HBM floor.
+Per context (a prompt of real text: HumanEval prompts (OpenAI, MIT licence) concatenated, cut so
+the cache holds the context by the end), each method and draft is called ``--repeats`` times
+after a warm-up call (the compile), and two rates are kept, medians over the calls:
 
-    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--gammas 6,8]
-        [--out small_model.json]
+- ``*_wall_tok_per_s``: new tokens over the wall clock of the whole ``generate()`` call, timed
+  around it as a user would (prefill, host work and the final copy included);
+- ``*_engine_tok_per_s``: new tokens over the engine's own ``stats.wall_s`` (dispatch to result).
+
+Top-level keys (1K context, B=1, ``--new`` tokens): ``ar_wall_tok_per_s_b1``,
+``best_spec_wall_tok_per_s_b1`` (the best speculative method and draft), ``peer_tok_per_s_b1``
+(the PyTorch CUDA-graph peer on the same weights and prompt, run in the same process's machine
+by ``--peer``: its whole-call tokens/s), ``tree_over_chain_same_draft`` (tree over chain wall
+tokens/s with the shipped draft), ``first_token_ms_ctx4096`` (the wall of a one-token call after
+the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoregressive decoding
+(bf16: a parting must be a near-tie, its top-2 logit gap reported) and ``float32_check`` runs
+the model in float32 with IEEE dots, where every method must give exactly the autoregressive
+tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import statistics
+import subprocess
+import tempfile
 import time
 
 import jax
@@ -39,6 +39,8 @@ from benchmarks.common import humaneval_prompts, metadata, write
 from jaxspec.api import generate
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path
+from jaxspec.io.draft_checkpoint import load_draft
+from jaxspec.kernels import KernelConfig
 
 
 def context_ids(model, ctx: int, new: int) -> list[int]:
@@ -48,247 +50,148 @@ def context_ids(model, ctx: int, new: int) -> list[int]:
     return ids[: ctx - new]
 
 
-def timed(model, ids, new, repeats, **kw):
-    """(median tokens/s, last result); the first call compiles. Tokens/s counts the whole call:
-    the prompt's prefill (time to the first token) and the decoding."""
+def timed(model, ids, new, repeats, **kw) -> dict:
+    """Median wall and engine tokens/s of ``repeats`` calls after a warm-up one."""
     generate(model, [ids], max_new_tokens=new, **kw)
-    runs = [generate(model, [ids], max_new_tokens=new, **kw) for _ in range(repeats)]
-    tps = statistics.median(r.stats["tokens_per_s"] for r in runs)
-    return tps, runs[-1]
+    walls, engines, last = [], [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        last = generate(model, [ids], max_new_tokens=new, **kw)
+        walls.append(time.perf_counter() - t0)
+        engines.append(last.stats["wall_s"])
+    n = last.stats["new_tokens"]
+    return {
+        "wall_tok_per_s": round(n / statistics.median(walls), 1),
+        "engine_tok_per_s": round(n / statistics.median(engines), 1),
+        "outside_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, engines)), 3),
+        "acceptance_length": round(last.stats["acceptance_length"], 3),
+        "tokens": last.tokens[0],
+    }
 
 
-def decode_rate(tps: float, new: int, half_tps: float) -> float:
-    """Tokens/s of decoding alone: the tokens a ``new``-token call makes beyond a ``new // 2``
-    call over the time it takes beyond it (the prefill and fixed costs are the same program's,
-    so they cancel)."""
-    half = new // 2
-    return (new - half) / max(new / tps - half / half_tps, 1e-9)
+def parting(model, prompt, ref: list[int], got: list[int]) -> dict:
+    """Where ``got`` first differs from ``ref``, and the target's top-2 logit gap there."""
+    at = next((i for i, (x, y) in enumerate(zip(ref, got, strict=False)) if x != y), None)
+    if at is None and len(ref) != len(got):
+        at = min(len(ref), len(got))
+    if at is None:
+        return {"identical": True}
+    top = jnp.sort(model.logits([prompt + ref[:at]])[0, -1])[-2:]
+    return {
+        "identical": False,
+        "first_difference": at,
+        "top2_gap": round(float(top[1] - top[0]), 4),
+    }
 
 
-def decode_only(tps, halves: dict, label: str, model, ids, new, repeats, **kw) -> float:
-    """``decode_rate`` of a call that made ``tps``, timing its half-length call once per
-    ``label`` (kept in ``halves``)."""
-    if label not in halves:
-        halves[label] = timed(model, ids, new // 2, repeats, **kw)[0]
-    return decode_rate(tps, new, halves[label])
+RUNS = (  # (name, method, draft key, options)
+    ("chain_ngram", "chain", "ngram", {"gamma": 8}),
+    ("chain_draft", "chain", "draft", {"gamma": 4}),
+    ("tree_draft", "tree", "draft", {}),
+    ("tree_ngram", "tree", "ngram", {"depth": 8, "width": 1, "branch": 1}),
+)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def run_context(model, drafts, ctx, args) -> dict:
+    ids = context_ids(model, ctx, args.new)
+    rows = {"autoregressive": timed(model, ids, args.new, args.repeats)}
+    ref = rows["autoregressive"]["tokens"]
+    for name, method, key, opts in RUNS:
+        if key in drafts:
+            r = timed(model, ids, args.new, args.repeats, method=method, draft=drafts[key], **opts)
+            r["parting"] = parting(model, ids, ref, r.pop("tokens"))
+            rows[name] = r
+            print(f"ctx {ctx} {name}: {r['wall_tok_per_s']} tok/s (wall)", flush=True)
+    rows["autoregressive"].pop("tokens")
+    first = timed(model, ids, 1, args.repeats)
+    return {"rows": rows, "first_token_ms": round(1e3 / first["wall_tok_per_s"], 2), "ids": ids}
 
 
-def top2_gap(model, prompt: list[int], out: list[int], at: int) -> float:
-    """The target's top-2 logit gap where the greedy outputs first differ."""
-    logits = model.logits([prompt + out[:at]])[0, -1]
-    top = jnp.sort(logits)[-2:]
-    return float(top[1] - top[0])
-
-
-def compare(model, prompt, ref: list[int], got: list[int]) -> dict:
-    at = first_difference(ref, got)
-    row = {"identical": at is None, "tokens": len(ref)}
-    if at is not None:
-        row.update(first_difference=at, top2_logit_gap=round(top2_gap(model, prompt, ref, at), 4))
-    return row
-
-
-def float32_check(ids: list[int], new: int, draft_path: str | None, trees=({"depth": 4},)) -> dict:
-    """Chain and tree against autoregressive decoding with the model in float32 and float32
-    dots: greedy tokens must be equal (a difference is a bug, not a near-tie)."""
+def float32_check(ids, new, drafts_f32) -> dict:
+    """Every method against autoregressive decoding in float32 with IEEE float32 dots."""
     m32 = load(default_checkpoint(), dtype=jnp.float32)
-    drafts = {"ngram": "ngram"}
-    if draft_path:
-        from jaxspec.train.distill import load_draft
-
-        drafts = {"distilled": load_draft(draft_path, m32), **drafts}
-    rows = {}
+    out = {}
     with jax.default_matmul_precision("highest"):
         ref = generate(m32, [ids], max_new_tokens=new).tokens[0]
-        runs = [("chain", {"gamma": 8})] + [("tree", t) for t in trees]
-        for method, opts in runs:
-            for name, draft in drafts.items():
-                r = generate(m32, [ids], max_new_tokens=new, method=method, draft=draft, **opts)
-                tag = (
-                    ""
-                    if len(trees) == 1 or method == "chain"
-                    else "_" + "x".join(str(v) for v in opts.values())
-                )
-                rows[f"{method}_{name}{tag}_vs_autoregressive"] = compare(
-                    m32, ids, ref, r.tokens[0]
-                )
-    print("float32:", {k: v["identical"] for k, v in rows.items()}, flush=True)
-    return rows
+        for name, method, key, opts in RUNS:
+            if key in drafts_f32:
+                d = drafts_f32[key] if key == "ngram" else load_draft(drafts_f32[key], m32)
+                got = generate(m32, [ids], max_new_tokens=new, method=method, draft=d, **opts)
+                out[name] = got.tokens[0] == ref
+    print("float32 equal to autoregressive:", out, flush=True)
+    return out
+
+
+def peer(path: str, ids: list[int], new: int) -> dict | None:
+    """The PyTorch CUDA-graph peer's whole-call tokens/s on the same GGUF weights and prompt."""
+    with tempfile.TemporaryDirectory() as tmp:
+        f = pathlib.Path(tmp) / "ids.json"
+        f.write_text(json.dumps({"ctx1024": ids}))
+        r = subprocess.run(
+            ["python3", path, "real", str(default_gguf_path()), str(f)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    rows = [x for x in rows if "tok_per_s_whole_call" in x]
+    if not rows:
+        print("peer failed:", r.stderr[-1500:], flush=True)
+        return None
+    return rows[-1]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="1024,4096")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument(
-        "--gammas",
-        default=None,
-        help="chain gammas to run besides --gamma (e.g. 6,8); each draft's chain figure is then "
-        "its best gamma's (bench_gamma_sweep.py: acceptance grows with gamma)",
-    )
-    ap.add_argument(
-        "--tree-shapes",
-        default="4x8x4",
-        help="tree shapes to run, DEPTHxWIDTHxBRANCH, comma-separated (8 nodes verified each); "
-        "each draft's tree figure is its best shape's (prompt lookup's tree is one looked-up "
-        "path: at depth 8 it accepts what its gamma-8 chain does, 2.40 tokens a verification "
-        "against 2.12 at depth 4)",
-    )
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--peer", default=None, help="the PyTorch CUDA-graph peer's script")
+    ap.add_argument("--no-f32", action="store_true", help="skip the float32 exactness check")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
-    dtype = jnp.bfloat16 if gpu else jnp.float32
-    model = load(default_checkpoint(), dtype=dtype)
+    model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
+    model.kernels = KernelConfig.from_env()
     drafts = {"ngram": "ngram"}
     if args.draft:
-        from jaxspec.train.distill import load_draft
-
-        drafts = {"distilled": load_draft(args.draft, model), **drafts}
+        drafts["draft"] = load_draft(args.draft, model)
     payload = {
         **metadata(),
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
-        "dtype": str(jnp.dtype(dtype)),
+        "model": f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to {model.dtype})",
         "new_tokens": args.new,
-        "gamma": args.gamma,
-        "gammas": args.gammas,
-        "tree_shape": {"depth": 4, "width": 8, "branch": 4, "bs": 8},
-        "tree_shapes": args.tree_shapes,
-        "drafts": list(drafts),
+        "kernels": model.net().kernels.describe(),
+        "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS},
     }
-    path = None
-    checks = {}
-    for ctx in [int(c) for c in args.contexts.split(",") if c]:
-        ids = context_ids(model, ctx, args.new)
-        ar_tps, ar = timed(model, ids, args.new, args.repeats)
-        payload[f"ar_tok_per_s_b1_ctx{ctx}"] = round(ar_tps, 1)
-        first_s = 1.0 / timed(model, ids, 1, args.repeats)[0]  # prefill + the first token
-        payload[f"first_token_ms_ctx{ctx}"] = round(1e3 * first_s, 2)
-        halves = {}  # each call again at half the tokens, for the decode-only rates
-        ar_decode = decode_only(ar_tps, halves, "ar", model, ids, args.new, args.repeats)
-        payload[f"ar_decode_tok_per_s_b1_ctx{ctx}"] = round(ar_decode, 1)
-        print(
-            f"ctx {ctx}: autoregressive {ar_tps:.1f} tok/s; first token {1e3 * first_s:.1f} ms; "
-            f"decoding alone {ar_decode:.1f} tok/s",
-            flush=True,
-        )
-        gammas = sorted({args.gamma, *(int(g) for g in (args.gammas or "").split(",") if g)})
-        shapes = [dict(zip(("depth", "width", "branch"), map(int, x.split("x")), strict=True))
-                  for x in args.tree_shapes.split(",") if x]  # fmt: skip
-        runs = [("chain", {"gamma": g}) for g in gammas] + [("tree", sh) for sh in shapes]
-        best: dict[str, float] = {}
-        best_decode: dict[str, float] = {}
-        for method, opts in runs:
-            for name, draft in drafts.items():
-                t0 = time.perf_counter()
-                tps, r = timed(
-                    model, ids, args.new, args.repeats, method=method, draft=draft, **opts
-                )
-                key = f"{method}_{name}_ctx{ctx}"
-                several = len(gammas) > 1 if method == "chain" else len(shapes) > 1
-                if several:  # each setting's own figures, besides the draft's best
-                    tag = "x".join(str(v) for v in opts.values())
-                    tag = f"gamma{tag}" if method == "chain" else f"shape{tag}"
-                    payload[f"{key}_{tag}_tok_per_s"] = round(tps, 1)
-                    payload[f"{key}_{tag}_acceptance_length"] = round(
-                        r.stats["acceptance_length"], 3
-                    )
-                    checks[f"{key}_{tag}_vs_autoregressive"] = compare(
-                        model, ids, ar.tokens[0], r.tokens[0]
-                    )
-                if tps > payload.get(f"{key}_tok_per_s", 0.0):  # the draft's best setting
-                    payload[f"{key}_tok_per_s"] = round(tps, 1)
-                    payload[f"{key}_acceptance_length"] = round(r.stats["acceptance_length"], 3)
-                    if method == "chain":
-                        payload[f"{key}_gamma"] = opts["gamma"]
-                    else:
-                        payload[f"{key}_shape"] = "x".join(str(v) for v in opts.values())
-                    checks[f"{key}_vs_autoregressive"] = compare(
-                        model, ids, ar.tokens[0], r.tokens[0]
-                    )
-                best[method] = max(best.get(method, 0.0), tps)
-                label = f"{method}_{name}_{opts}"
-                dec = decode_only(
-                    tps, halves, label, model, ids, args.new, args.repeats,
-                    method=method, draft=draft, **opts,
-                )  # fmt: skip
-                best_decode[method] = max(best_decode.get(method, 0.0), dec)
-                acc = r.stats["acceptance_length"]
-                took = time.perf_counter() - t0
-                print(
-                    f"  {method:>6} + {name:<10} {tps:8.1f} tok/s  acc {acc:.2f}  {opts}  "
-                    f"({took:.0f} s)",
-                    flush=True,
-                )
-        for method, tps in best.items():
-            payload[f"{method}_tok_per_s_b1_ctx{ctx}"] = round(tps, 1)
-            payload[f"{method}_over_ar_ctx{ctx}"] = round(tps / ar_tps, 2)
-            rate = best_decode[method]
-            payload[f"{method}_decode_tok_per_s_b1_ctx{ctx}"] = round(rate, 1)
-            payload[f"{method}_decode_over_ar_ctx{ctx}"] = round(rate / ar_decode, 2)
-        if ctx == int(args.contexts.split(",")[0]):
-            # JAXSPEC_ATTENTION=reference: the jnp attention where the model dispatches (the
-            # prefill's chunks); the fused decode-step kernel has its own switch
-            import jaxspec.model.transformer as jm
-            from jaxspec.engines import base as common
-
-            before, jm.ATTENTION_IMPL = jm.ATTENTION_IMPL, "reference"
-            common._COMPILED.clear()
-            jax.clear_caches()
-            plain_tps, plain = timed(model, ids, args.new, 1)
-            jm.ATTENTION_IMPL = before
-            common._COMPILED.clear()
-            jax.clear_caches()
-            payload[f"ar_plain_attention_tok_per_s_ctx{ctx}"] = round(plain_tps, 1)
-            checks["pallas_vs_reference_attention"] = compare(
-                model, ids, plain.tokens[0], ar.tokens[0]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    ids_first = None
+    for ctx in contexts:
+        got = run_context(model, drafts, ctx, args)
+        ids_first = ids_first or got.pop("ids")
+        got.pop("ids", None)
+        payload[f"ctx{ctx}"] = got
+        write("small_model.json", payload, args.out)
+    first = payload[f"ctx{contexts[0]}"]["rows"]
+    payload["ar_wall_tok_per_s_b1"] = first["autoregressive"]["wall_tok_per_s"]
+    spec = {k: v["wall_tok_per_s"] for k, v in first.items() if k != "autoregressive"}
+    payload["best_spec"] = max(spec, key=spec.get)
+    payload["best_spec_wall_tok_per_s_b1"] = spec[payload["best_spec"]]
+    if "tree_draft" in first and "chain_draft" in first:
+        ratio = first["tree_draft"]["wall_tok_per_s"] / first["chain_draft"]["wall_tok_per_s"]
+        payload["tree_over_chain_same_draft"] = round(ratio, 3)
+    if "ctx4096" in payload:
+        payload["first_token_ms_ctx4096"] = payload["ctx4096"]["first_token_ms"]
+    if args.peer:
+        p = peer(args.peer, ids_first, args.new)
+        if p is not None:
+            payload["peer"] = p
+            payload["peer_tok_per_s_b1"] = p["tok_per_s_whole_call"]
+            payload["ar_over_peer"] = round(
+                payload["ar_wall_tok_per_s_b1"] / p["tok_per_s_whole_call"], 3
             )
-        path = write("small_model.json", {**payload, "fast_path_check": checks}, args.out)
-    first = int(args.contexts.split(",")[0])
-    checks_f32 = float32_check(
-        context_ids(model, first, args.new), args.new, args.draft, trees=shapes
-    )
-    payload["fast_path_check_f32"] = checks_f32
-    payload["ar_tok_per_s_b1"] = payload[f"ar_tok_per_s_b1_ctx{first}"]
-    payload["chain_tok_per_s_b1"] = payload[f"chain_tok_per_s_b1_ctx{first}"]
-    payload["tree_tok_per_s_b1"] = payload[f"tree_tok_per_s_b1_ctx{first}"]
-    if not args.no_hf:
-        import torch
-
-        from benchmarks.bench_autoregressive import PROMPT, bench_hf
-        from jaxspec.prompts import encode_text
-
-        hf_ids = encode_text(model.tokenizer, PROMPT, chat=True)
-        hf_tps, _ = bench_hf(
-            default_gguf_path(),
-            hf_ids,
-            args.new,
-            args.repeats,
-            torch.bfloat16 if gpu else torch.float32,
-        )
-        payload["hf_eager_tok_per_s_b1"] = round(hf_tps, 1)
-        short_tps, _ = timed(model, hf_ids, args.new, args.repeats)
-        payload["ar_tok_per_s_b1_short_prompt"] = round(short_tps, 1)
-        print(f"HF eager {hf_tps:.1f} tok/s; jaxspec on the same prompt {short_tps:.1f}")
-    if not args.skip_1b:
-        from benchmarks.bench_decode_gpu import Case, run_case
-
-        payload["step_1b"] = run_case(
-            Case("1b" if gpu else "smoke", 1, 4096 if gpu else 64, 1), 32, 5, 4.3, dtype
-        )
-    path = write("small_model.json", {**payload, "fast_path_check": checks}, args.out)
-    return path
+    if not args.no_f32:
+        f32 = {"ngram": "ngram", **({"draft": args.draft} if args.draft else {})}
+        payload["float32_check"] = float32_check(ids_first, args.new, f32)
+    return write("small_model.json", payload, args.out)
 
 
 if __name__ == "__main__":

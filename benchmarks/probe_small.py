@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_decode_gpu import kernel_count, make_loop
 from benchmarks.shapes import SMOLLM2_135M
+from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import KVCache, init_cache
 from jaxspec.model.transformer import new_model
 
@@ -57,13 +58,14 @@ def main():
     cache = init_cache(cfg, b, args.context + args.steps + 8, jnp.bfloat16)
     cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((b,), args.context, jnp.int32))
     tok = jnp.zeros((b, 1), jnp.int32)
-    loop = make_loop(model.graphdef, args.steps, 1)
-    exe = loop.lower(model.params, cache, tok).compile()
+    net = model.net(KernelConfig.from_env())
+    loop = make_loop(net, args.steps, 1)
+    exe = loop.lower(model.flat, cache, tok).compile()
     counts = kernel_count(exe.as_text())
     state = {"cache": cache}
 
     def once():
-        c, out = exe(model.params, state["cache"], tok)
+        c, out = exe(model.flat, state["cache"], tok)
         state["cache"] = KVCache(k=c.k, v=c.v, length=c.length - args.steps)
         out.block_until_ready()
 
@@ -78,7 +80,7 @@ def main():
     row = {
         "label": args.label,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "jaxspec_env": {k: v for k, v in os.environ.items() if k.startswith("JAXSPEC_")},
+        "kernels": net.kernels.describe(),
         "batch": b,
         "context": args.context,
         "ms_per_step": ms,

@@ -74,19 +74,19 @@ def sampling_of(temperature, top_p, top_k) -> Sampling:
     )
 
 
-def prepare(
-    target: Model,
+def prepare(  # user values are checked here, so their hints stay off the runtime checker
+    target,
     prompts,
     *,
     draft=None,
-    method: str = "autoregressive",
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    chat: bool = False,
-    kernels: KernelConfig | None = None,
+    method="autoregressive",
+    max_new_tokens=64,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=0,
+    chat=False,
+    kernels=None,
     **method_options,
 ) -> Call:
     """Everything ``generate`` resolves before running: the engine, its program, the inputs."""
@@ -141,18 +141,18 @@ def run(call: Call) -> GenerationResult:
 
 
 def generate(
-    target: Model,
+    target,
     prompts,
     *,
     draft=None,
-    method: str = "autoregressive",
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    chat: bool = False,
-    kernels: KernelConfig | None = None,
+    method="autoregressive",
+    max_new_tokens=64,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=0,
+    chat=False,
+    kernels=None,
     **method_options,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt with ``method``.

@@ -50,7 +50,7 @@ DEFAULTS = {
         # prefill chunks: the 4K prefill of the SmolLM2 shape 43.4 -> 14.0 ms (prefill_probe)
         attention="pallas",
         # RoPE + cache write + attention in one kernel: SmolLM2-shape step 1.023 -> 0.941 ms,
-        # 121 of its 491 kernels gone (small_step_probe_s8)
+        # 121 of its 491 kernels gone (benchmarks/results/small_step_probe.json)
         fused_attention="pallas",
         # split-K projection kernels, BN 64 x BK 128 x 4 warps: SmolLM2-shape step, B=1, 1K,
         # 0.858 -> 0.663 ms and 341 -> 161 kernels (probe_small, 2026-12-01); 128 x 128 took
@@ -62,7 +62,7 @@ DEFAULTS = {
         # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
         gemm_rows=8,
         # the padding on the residual stream, not around each GEMM: 0.941 -> 0.827 ms with the
-        # fused attention kernel (small_step_probe_s8)
+        # fused attention kernel (benchmarks/results/small_step_probe.json)
         row_padding="stream",
         prefill_chunk=None,  # by batch: prefill_tokens()
         loop_chunk=None,  # by engine: loop_steps()

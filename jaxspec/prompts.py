@@ -19,15 +19,23 @@ def check_token_ids(tokens, cfg: ModelConfig) -> None:
 
 
 def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) -> list[list[int]]:
-    """``str`` | ``list[str]`` | ``list[list[int]]`` -> list of id lists, checked.
+    """Prompts -> a list of token-id lists, checked.
 
-    With ``chat`` the tokenizer's chat template wraps each string as one user turn.
+    Takes a string, a list of strings, a flat list of token ids (ONE prompt, as HF's
+    ``input_ids`` is), a list of id lists (ragged lengths are fine), or a 1-D / 2-D integer
+    array (numpy or jax: one prompt, or one per row). With ``chat`` the tokenizer's chat template
+    wraps each string as one user turn. Float ids are refused, never truncated.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    elif hasattr(prompts, "shape") and hasattr(prompts, "dtype"):  # numpy / jax arrays
+        prompts = _array_prompts(prompts)
+    elif isinstance(prompts, list | tuple) and prompts and all(_is_id(x) for x in prompts):
+        prompts = [list(prompts)]  # a flat list of ids is one prompt
     if not isinstance(prompts, list | tuple) or len(prompts) == 0:
         raise PromptError(
-            "no prompts given: pass a string, a list of strings or a list of id lists."
+            "no prompts given: pass a string, a list of strings, a list of token ids (one "
+            "prompt), a list of id lists, or a 1-D / 2-D integer array."
         )
     out = []
     for i, p in enumerate(prompts):
@@ -40,12 +48,42 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) 
                 )
             ids = encode_text(tokenizer, p, chat=chat)
         else:
-            ids = [int(x) for x in np.asarray(p).reshape(-1)]
-            if not ids:
-                raise PromptError(f"prompt {i} is empty: give it at least one token id.")
+            ids = _ids(p, i)
         check_token_ids(ids, cfg)
         out.append(ids)
     return out
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _array_prompts(a) -> list:
+    arr = np.asarray(a)
+    if arr.ndim not in (1, 2):
+        raise PromptError(
+            f"a prompt array must be 1-D (one prompt) or 2-D (one per row), got shape {arr.shape}."
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise PromptError(
+            f"token ids must be integers, got an array of {arr.dtype}: pass the tokenizer's ids "
+            "(e.g. np.asarray(ids, np.int32))."
+        )
+    return [arr.tolist()] if arr.ndim == 1 else arr.tolist()
+
+
+def _ids(p, i: int) -> list[int]:
+    """One prompt's ids from a list, tuple or array of integers (floats and bools refused)."""
+    arr = np.asarray(p)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise PromptError(
+            f"prompt {i} must be text or integer token ids, got {type(p).__name__} of "
+            f"{arr.dtype}: float ids are not truncated silently; pass the tokenizer's ids."
+        )
+    ids = [int(x) for x in arr.reshape(-1)]
+    if not ids:
+        raise PromptError(f"prompt {i} is empty: give it at least one token id.")
+    return ids
 
 
 def encode_text(tokenizer, text: str, *, chat: bool) -> list[int]:

@@ -260,7 +260,8 @@ def decode_attention_partials(
 ]:
     """The kernel's raw per-split results: unnormalised ``acc``, running max ``m`` and
     ``sumexp`` per row ``r = t * G + g`` (rows past ``T * G`` and unused splits hold whatever the
-    buffer held: only ``[..., :T*G]`` is defined)."""
+    buffer held: only ``[..., :T*G]`` is defined). long: the tiling plan, the padded layouts and
+    the block specs of the call are set up in one place, next to the call they feed."""
     b, t, h, hd = q.shape
     _, s, kh, _ = k.shape
     g = h // kh

@@ -5,7 +5,8 @@ partial sums instead of a finished product.
 Why: at batch 1 a small model is bound by the number of its kernels, not by its bytes. On the
 H200 SmolLM2-135M's step is ~341 kernels of ~2.4 us, 11 a layer: the norm, the Q/K/V GEMM, its
 split-K sum, the attention kernel, its combine, o_proj, the residual add, the second norm,
-gate/up, SiLU * up and down (benchmarks/notes/small_step_probe_s9.md). XLA splits K to fill the
+gate/up, SiLU * up and down (git show 785ba73:benchmarks/notes/small_step_probe_s9.md). XLA splits K
+to fill the
 GPU and sums the splits in a kernel of its own. Here the sum happens in the consumer's prologue:
 
 - ``norm_project(x, pending, g, ws)``: ``x + round(sum(pending))`` (the residual add of the

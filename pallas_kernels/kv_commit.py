@@ -5,7 +5,8 @@ After a tree verify the target keeps the root and the accepted path: the K/V row
 that with a gather and a scatter per cache: 60 caches in SmolLM2, so likely ~120 small kernels a
 verify (not counted yet). That would explain the 0.3 ms by which a tree verify of 9 nodes
 outlasted a chain verify of 9 tokens on the H200 (1.16 against 0.85 ms;
-benchmarks/notes/small_model_trees_s9.md). A chain commits by moving ``length`` only.
+git show 785ba73:benchmarks/notes/small_model_trees_s9.md). A chain commits by moving ``length``
+only.
 
 Here one ``pallas_call`` takes every cache (aliased: updated in place). Program ``(c, b)`` moves
 row ``b`` of cache ``c``: it loads the rows at ``src`` into registers, waits at a barrier for

@@ -1,9 +1,10 @@
 """Flash attention for long blocks: prefill chunks (and any block too wide for the decode kernel).
 
 Issue 10: at context 4096 the default model spent 98 ms of a 184 ms request in the prefill
-(``first_token_ms_ctx4096``, benchmarks/results/small_model_defaults.json). The prompt goes in
-256-token chunks, above the decode kernel's 64-query limit, so their attention was the jnp
-reference: float32 scores over the whole cache, written and read back several times per layer.
+(``first_token_ms_ctx4096``, git show 785ba73:benchmarks/results/small_model_defaults.json). The
+prompt goes in 256-token chunks, above the decode kernel's 64-query limit, so their attention was
+the jnp reference: float32 scores over the whole cache, written and read back several times per
+layer.
 
 Contract: that of :func:`pallas_kernels.reference.attend` (and ``decode_attention``): ``q
 [B,T,H,hd]``, caches ``k, v [B,S,KH,hd]`` (GQA: ``H = KH * G``) holding the block's own K/V at slots

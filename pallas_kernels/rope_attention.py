@@ -144,6 +144,10 @@ def _kernel(
     g: int,
     parts: int,
 ):
+    """One program: a row tile of one batch row and KV head over one prefix split. long: a
+    Pallas kernel body is one program (loads, RoPE, the cache write, the split's online
+    softmax, the block's own keys, the stores); cutting it up would hide the memory traffic
+    it is written to control."""
     row_tile = pl.program_id(0)
     dt = ko_ref.dtype
 
@@ -291,7 +295,9 @@ def rope_attention_splits(
 ) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache).
     ``tile``: (block_k, num_stages, min_split) overrides of ``decode_attention.plan``'s
-    defaults (None: its defaults)."""
+    defaults (None: its defaults). long: the kernel's layout (padded row tiles, the block mask
+    per query row, block specs of seven inputs and five outputs) is set up in one place, next
+    to the call it feeds."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")

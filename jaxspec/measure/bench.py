@@ -195,27 +195,13 @@ def run(
     measure each method's draft / verify / handoff / prefill / host split (``split_reps``
     timed calls per component and run shape; costs extra time outside every wall).
     """
-    if not methods:
-        raise OptionError(f"give at least one method among {', '.join(METHODS)}.")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise OptionError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}.")
-    bad = [p for p in peers if p not in PEERS]
-    if bad:
-        raise OptionError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}.")
-    if batch < 1:
-        raise OptionError(f"--batch must be positive, got {batch}.")
-    if budget_s is not None and budget_s <= 0:
-        raise OptionError(f"--budget-s must be positive, got {budget_s}.")
+    _check(methods, peers, batch, budget_s, options)
     clock = clock or time.monotonic
     deadline = None if budget_s is None else clock() + budget_s
 
     def over() -> bool:
         return deadline is not None and clock() > deadline
 
-    unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
-    if unused:
-        raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
     ids = encode_prompts(list(prompts), target.tokenizer, target.config, chat=chat)
     results: list[dict] = []
     meta = metadata()
@@ -249,48 +235,46 @@ def run(
                 results[-1]["peer"] = True
             continue
         bar = tqdm(
-            total=len(ids),
-            desc=f"bench {name}",
-            unit="prompt",
-            disable=not progress,
+            total=len(ids), desc=f"bench {name}", unit="prompt", disable=not progress,
             file=sys.stderr,
-        )
+        )  # fmt: skip
         if is_peer:
             row = run_peer(
-                name,
-                target,
-                draft,
-                _draft_name(draft),
-                ids,
-                max_new=max_new_tokens,
-                gamma=int(options.get("gamma", 4)),
-                ngram=int(options.get("ngram", 3)),
-                cache=peer_cache,
-                bar=bar,
-                over=over,
-            )
+                name, target, draft, _draft_name(draft), ids, max_new=max_new_tokens,
+                gamma=int(options.get("gamma", 4)), ngram=int(options.get("ngram", 3)),
+                cache=peer_cache, bar=bar, over=over,
+            )  # fmt: skip
         else:
             row = _method_rows(
-                target,
-                name,
-                draft,
-                prompts,
-                ids,
-                batch=batch,
-                max_new=max_new_tokens,
-                options=options,
-                bar=bar,
-                over=over,
-                split=time_split,
-                reps=split_reps,
+                target, name, draft, prompts, ids, batch=batch, max_new=max_new_tokens,
+                options=options, bar=bar, over=over, split=time_split, reps=split_reps,
                 kernels=kernels,
-            )
+            )  # fmt: skip
         bar.close()
         results.append(row)
         if on_update is not None:
             on_update(result())
     peer_cache.clear()
     return result()
+
+
+def _check(methods, peers, batch, budget_s, options) -> None:
+    """The bench's arguments, before any work (``OptionError`` naming the bad one)."""
+    if not methods:
+        raise OptionError(f"give at least one method among {', '.join(METHODS)}.")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise OptionError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}.")
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise OptionError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)}.")
+    if batch < 1:
+        raise OptionError(f"--batch must be positive, got {batch}.")
+    if budget_s is not None and budget_s <= 0:
+        raise OptionError(f"--budget-s must be positive, got {budget_s}.")
+    unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
+    if unused:
+        raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
 
 
 def table(result: dict) -> str:

@@ -63,29 +63,9 @@ def run_peer(
         cache["target"] = hf_export.to_hf(target, device=device)
     hf = cache["target"]
     eos = list(target.config.eos_token_ids)
-    kw = dict(
-        max_new_tokens=max_new,
-        do_sample=False,
-        num_beams=1,
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else 0,
+    kw = _generate_kwargs(
+        name, draft, cache, device, eos, max_new=max_new, gamma=gamma, ngram=ngram
     )
-    if name == "hf-assisted":
-        if isinstance(draft, Model):
-            if "draft" not in cache:
-                cache["draft"] = hf_export.to_hf(draft, device=device)
-            assistant = cache["draft"]
-            knobs = dict(
-                num_assistant_tokens=gamma,
-                num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=0.0,
-            )
-            for k, v in knobs.items():
-                setattr(assistant.generation_config, k, v)
-            kw.update(assistant_model=assistant, **knobs)
-        else:
-            kw.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=ngram)
-
     forwards = [0]
     hook = hf.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
 
@@ -126,14 +106,49 @@ def run_peer(
                 bar.update(1)
     finally:
         hook.remove()
+    return _summary(
+        name, rows, tokens, wall=wall, new=new, warmup=warmup, draft_name=draft_name,
+        gamma=gamma, device=device, hf=hf, n_ids=len(ids),
+    )  # fmt: skip
+
+
+def _generate_kwargs(name, draft, cache, device, eos, *, max_new, gamma, ngram) -> dict:
+    """HF ``generate``'s greedy keywords; for ``hf-assisted`` the same draft as the assistant
+    model (a constant gamma, no confidence cut-off) or prompt lookup for ``ngram``."""
+    kw = dict(
+        max_new_tokens=max_new,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else 0,
+    )
+    if name != "hf-assisted":
+        return kw
+    if not isinstance(draft, Model):
+        return {**kw, "prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": ngram}
+    if "draft" not in cache:
+        cache["draft"] = hf_export.to_hf(draft, device=device)
+    assistant = cache["draft"]
+    knobs = dict(
+        num_assistant_tokens=gamma,
+        num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.0,
+    )
+    for k, v in knobs.items():
+        setattr(assistant.generation_config, k, v)
+    return {**kw, "assistant_model": assistant, **knobs}
+
+
+def _summary(name, rows, tokens, *, wall, new, warmup, draft_name, gamma, device, hf, n_ids):
+    """The peer's row in the bench JSON's per-method shape."""
     lat = [r["ms_per_token"] for r in rows]
-    row = {
+    return {
         "method": name,
         "peer": True,
         "draft": draft_name if name == "hf-assisted" else None,
         "options": {"gamma": gamma} if name == "hf-assisted" else {},
         "device": device,
-        **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
+        **({"threads": torch_threads()} if device == "cpu" else {}),
         "dtype": str(next(hf.parameters()).dtype).removeprefix("torch."),
         "batch": 1,
         "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
@@ -145,11 +160,16 @@ def run_peer(
         },
         "time_split_s": {"warmup": round(warmup, 3), "run": round(wall, 6)},
         "new_tokens": new,
-        **({"truncated": True} if len(rows) < len(ids) else {}),
+        **({"truncated": True} if len(rows) < n_ids else {}),
         "per_prompt": rows,
         "_tokens": tokens,
     }
-    return row
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _cut_at_eos(toks: list[int], eos: list[int]) -> list[int]:

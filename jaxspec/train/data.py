@@ -90,10 +90,10 @@ def _width(target: Model, n: int, batch: int) -> int:
     return -(-n // m) * m
 
 
-def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed):
-    """One batch through the target's own autoregressive engine (the loop ``generate`` runs),
-    padded to a fixed width so every batch reuses one compilation."""
-    b = spec.gen_batch
+def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSpec, temp, seed,
+                  b: int):  # fmt: skip
+    """One batch of ``b`` rows through the target's own autoregressive engine (the loop
+    ``generate`` runs), padded to a fixed width so batches of a size reuse one compilation."""
     real = len(rows)
     rows = rows + [rows[-1]] * (b - real)
     ids = np.zeros((b, width), np.int32)
@@ -106,6 +106,37 @@ def _decode_batch(target: Model, rows: list[list[int]], width: int, spec: DataSp
     prog, _ = engine.program(target, None, autoregressive.Options(), req, None)
     r = engine.run(prog, target, None, ids, lens, int(seed))
     return trim(r.tokens, r.count)[:real], r.stats
+
+
+class BatchSizes:
+    """Rows per generation batch under a deadline. A batch is one on-device loop that cannot
+    stop halfway (a 64-row batch of 256 new tokens took minutes on a CPU, past a 60 s budget), so
+    the first batch is small and each next one as large as the time left allows, by the rate
+    the last one measured: powers of two up to ``gen_batch`` (few sizes, few compiles). A batch
+    predicted to end past the deadline does not start (the first one always does)."""
+
+    def __init__(self, gen_batch: int, deadline: float | None):
+        self.ladder = [min(gen_batch, 1 << i) for i in range(2, max(gen_batch, 4).bit_length() + 1)]
+        self.ladder = sorted(set(self.ladder + [gen_batch]))
+        self.deadline = deadline
+        self.rate: float | None = None  # seconds per row, compile excluded
+        self.compile_s = 0.0
+        self.seen: set[int] = set()
+
+    def next(self, done: list) -> int:
+        if self.deadline is None:
+            return self.ladder[-1]
+        if self.rate is None:
+            return self.ladder[0] if not done else 0
+        left = self.deadline - time.perf_counter()
+        fits = [r for r in self.ladder
+                if r * self.rate + (0 if r in self.seen else self.compile_s) <= left]  # fmt: skip
+        return fits[-1] if fits else 0
+
+    def took(self, rows: int, seconds: float, compile_s: float) -> None:
+        self.seen.add(rows)
+        self.compile_s = max(self.compile_s, compile_s)
+        self.rate = max(seconds - compile_s, 1e-6) / rows
 
 
 def generate_data(
@@ -131,24 +162,28 @@ def generate_data(
     docs: list[np.ndarray] = []
     new_tokens = 0
     t0 = time.perf_counter()
+    sizes = BatchSizes(spec.gen_batch, deadline)
     bar = tqdm(total=len(jobs), desc="target writes data", unit="doc", disable=not progress)
     stopped = False
     with bar:
         k = 0
         while k < len(jobs):
-            if deadline is not None and time.perf_counter() > deadline and docs:
+            rows_now = sizes.next(docs)
+            if rows_now == 0:
                 stopped = True
                 break
             greedy = jobs[k][0] == 0
             chunk = []
-            while k < len(jobs) and len(chunk) < spec.gen_batch and (jobs[k][0] == 0) == greedy:
+            while k < len(jobs) and len(chunk) < rows_now and (jobs[k][0] == 0) == greedy:
                 chunk.append(jobs[k])
                 k += 1
             rows = [ids[i] for _, i in chunk]
             seed = spec.seed * 1_000_003 + k
-            new, _ = _decode_batch(
-                target, rows, width, spec, 0.0 if greedy else spec.temperature, seed
+            t_batch = time.perf_counter()
+            new, stats = _decode_batch(
+                target, rows, width, spec, 0.0 if greedy else spec.temperature, seed, rows_now
             )
+            sizes.took(rows_now, time.perf_counter() - t_batch, stats.compile_s)
             for r, t in zip(rows, new, strict=True):
                 docs.append(np.asarray(r + t, np.int32))
                 new_tokens += len(t)

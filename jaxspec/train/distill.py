@@ -45,9 +45,7 @@ This module holds the recipe and the training loop; ``jaxspec.train.data`` the d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import pathlib
 import time
 from typing import Any
@@ -55,23 +53,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
 
+from jaxspec.api import generate
 from jaxspec.errors import CheckpointError, DraftError, OptionError
+from jaxspec.io.convert import _int_keys as int_keys
+from jaxspec.io.convert import _np_dtype as np_dtype
+from jaxspec.io.convert import _str_keys as str_keys
+from jaxspec.io.datasets import humaneval
 from jaxspec.io.draft_checkpoint import (
     PathLike,
     _assemble,
-    _pure,
     _read_json,
     _same_target,
     _shared_of,
-    _trainable,
     _write_atomic,
     _write_draft,
     draft_config,
     fingerprint,
+    load_draft,
 )
-from jaxspec.kernels import KernelConfig
-from jaxspec.model.transformer import Model, Net, abstract_model, full_logits, new_model
+from jaxspec.model.transformer import Model, Net, abstract_model
 from jaxspec.train.data import (
     HOLDOUT,
     DataSpec,
@@ -81,212 +84,18 @@ from jaxspec.train.data import (
     _windows,
     generate_data,
 )
-
-# ------------------------------------------------------------------------------ options
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """Everything that determines the trained weights; ``resume`` must see the same values."""
-
-    layers: int = 2
-    intermediate: int = 512
-    init: str = "copy"  # "copy": the target's first layers; "copy-spread"; "random"
-    seq_len: int = 512
-    batch: int = 16
-    steps: int = 1000  # the most steps; a budget may fix fewer before warmup ends
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 40
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    ce_weight: float = 0.25
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Optim:
-    """The part of a Recipe the compiled train step depends on (other values do not recompile)."""
-
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    weight_decay: float
-    clip: float
-    ce_weight: float
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> Optim:
-        return cls(**{f.name: getattr(recipe, f.name) for f in dataclasses.fields(cls)})
-
-
-INITS = ("copy", "copy-spread", "random")
-RECIPE_FIELDS = {f.name for f in dataclasses.fields(Recipe)}
-DATA_FIELDS = {f.name for f in dataclasses.fields(DataSpec)}
-
-
-def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
-    def pos_int(name, v, lo=1):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise OptionError(f"{name} must be an integer >= {lo}, got {v!r}.")
-
-    def pos_float(name, v, lo=0.0, strict=True, hi=None):
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        ok = ok and (v > lo if strict else v >= lo) and (hi is None or v <= hi)
-        if not ok:
-            rng = f"{'>' if strict else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
-            raise OptionError(f"{name} must be a number {rng}, got {v!r}.")
-
-    for name in ("layers", "intermediate", "seq_len", "batch", "steps"):
-        pos_int(name, getattr(recipe, name))
-    for name in ("warmup", "seed"):
-        pos_int(name, getattr(recipe, name), lo=0)
-    pos_float("lr", recipe.lr)
-    pos_float("min_lr_ratio", recipe.min_lr_ratio, strict=False, hi=1.0)
-    pos_float("weight_decay", recipe.weight_decay, strict=False)
-    pos_float("clip", recipe.clip)
-    pos_float("ce_weight", recipe.ce_weight, strict=False)
-    if recipe.init not in INITS:
-        raise OptionError(f"init must be one of {', '.join(INITS)}, got {recipe.init!r}.")
-    cfg = target.config
-    if recipe.seq_len + 1 > cfg.max_position_embeddings:
-        raise OptionError(
-            f"seq_len={recipe.seq_len} does not fit the target's context of "
-            f"{cfg.max_position_embeddings} tokens; lower it."
-        )
-    if recipe.init != "random" and recipe.layers > cfg.num_layers:
-        raise OptionError(
-            f"init={recipe.init!r} takes layers from the target, which has {cfg.num_layers}; "
-            f"ask for at most {cfg.num_layers} layers or use init='random'."
-        )
-    if recipe.init != "random" and recipe.intermediate > cfg.intermediate_size:
-        raise OptionError(
-            f"init={recipe.init!r} trims the target's MLP of {cfg.intermediate_size} units; "
-            f"intermediate must be at most that, got {recipe.intermediate}."
-        )
-    for name in ("samples", "seed"):
-        pos_int(name, getattr(spec, name), lo=0)
-    for name in ("max_new", "gen_batch", "max_prompt_tokens"):
-        pos_int(name, getattr(spec, name))
-    pos_float("temperature", spec.temperature)
-    if spec.max_new >= cfg.max_position_embeddings:
-        raise OptionError(
-            f"max_new={spec.max_new} leaves no room for a prompt in the target's context of "
-            f"{cfg.max_position_embeddings} tokens; lower it."
-        )
-
-
-# ------------------------------------------------------------------------------ fingerprint
-
-
-# ------------------------------------------------------------------------------ draft model
-
-
-def init_draft(target: Model, recipe: Recipe) -> dict:
-    """The draft's trainable weights (float32 pure dict): copied target layers or random."""
-    cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
-    if recipe.init == "random":
-        pure = _pure(new_model(cfg, seed=recipe.seed).params)
-        tp = _pure(target.params)
-        pure["norm"] = tp["norm"]
-        return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _trainable(pure))
-    tp = _pure(target.params)
-    n_t = target.config.num_layers
-    if recipe.init == "copy-spread":
-        picks = np.linspace(0, n_t - 1, recipe.layers).round().astype(int).tolist()
-    else:
-        picks = list(range(recipe.layers))
-    layers = {}
-    for i, src in enumerate(picks):
-        layer = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), tp["layers"][src])
-        mlp = layer["mlp"]
-        g, u, d = mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"]
-        score = np.linalg.norm(g, axis=0) * np.linalg.norm(u, axis=0) * np.linalg.norm(d, axis=1)
-        keep = np.sort(np.argsort(-score, kind="stable")[: recipe.intermediate])
-        layer["mlp"] = {
-            "gate_proj": {"kernel": g[:, keep]},
-            "up_proj": {"kernel": u[:, keep]},
-            "down_proj": {"kernel": d[keep, :]},
-        }
-        layers[i] = layer
-    norm = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), tp["norm"])
-    return jax.tree.map(jnp.asarray, {"layers": layers, "norm": norm})
-
-
-# ------------------------------------------------------------------------------ data
-
-
-# ------------------------------------------------------------------------------ training
-
-
-# The draft trains through the pure-jnp attention and the plain projections: they have a
-# gradient (the Pallas kernels do not).
-TRAIN_KERNELS = KernelConfig(
-    attention="reference", fused_attention="off", fused_linear="off", fused_commit="off"
+from jaxspec.train.recipe import (
+    DATA_FIELDS,
+    RECIPE_FIELDS,
+    TRAIN_KERNELS,
+    Optim,
+    Recipe,
+    _check_options,
+    _optimizer,
+    init_draft,
+    init_draft_shapes,
+    train_step,
 )
-
-
-def lr_at(step, total, recipe: Recipe | Optim):
-    """Linear warmup to ``lr``, then cosine to ``min_lr_ratio * lr`` at ``total``."""
-    step = jnp.asarray(step, jnp.float32)
-    total = jnp.asarray(total, jnp.float32)
-    warm = jnp.float32(max(recipe.warmup, 1))
-    peak, low = recipe.lr, recipe.lr * recipe.min_lr_ratio
-    frac = jnp.clip((step - recipe.warmup) / jnp.maximum(total - recipe.warmup, 1.0), 0.0, 1.0)
-    cos = low + (peak - low) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
-    return jnp.where(step < recipe.warmup, peak * (step + 1) / warm, cos)
-
-
-def _optimizer(recipe: Recipe | Optim):
-    import optax
-
-    def decay_mask(p):
-        return jax.tree.map(lambda x: x.ndim > 1, p)
-
-    return optax.chain(
-        optax.clip_by_global_norm(recipe.clip),
-        optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-            learning_rate=recipe.lr,
-            b1=0.9,
-            b2=0.95,
-            weight_decay=recipe.weight_decay,
-            mask=decay_mask,
-        ),
-    )
-
-
-def losses(teacher_logits, draft_logits, ce_weight: float):
-    """Per-position KL(teacher || draft), CE on the teacher's greedy token, top-1 agreement."""
-    lp = jax.nn.log_softmax(teacher_logits, axis=-1)
-    lq = jax.nn.log_softmax(draft_logits, axis=-1)
-    kl = jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
-    best = jnp.argmax(teacher_logits, axis=-1)
-    ce = -jnp.take_along_axis(lq, best[..., None], axis=-1)[..., 0]
-    agree = (jnp.argmax(draft_logits, axis=-1) == best).astype(jnp.float32)
-    return kl + ce_weight * ce, kl, ce, agree
-
-
-@functools.partial(jax.jit, static_argnames=("tnet", "dnet", "recipe"), donate_argnums=(0, 1))
-def train_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dnet, recipe):
-    """One optimizer step on ``tokens`` [B, T]: teacher forward, draft forward and backward."""
-    import optax
-
-    teacher = jax.lax.stop_gradient(full_logits(tnet, tflat, tokens))
-    dtype = tflat[0].dtype
-
-    def loss_fn(w):
-        params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
-        draft_logits = full_logits(dnet, jax.tree.leaves(params), tokens)
-        loss, kl, ce, agree = losses(teacher, draft_logits, recipe.ce_weight)
-        return loss.mean(), {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
-
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(train)
-    clip_state, adam_state = opt_state
-    lr = lr_at(step, total, recipe)
-    adam_state = adam_state._replace(hyperparams={**adam_state.hyperparams, "learning_rate": lr})
-    updates, opt_state = _optimizer(recipe).update(grads, (clip_state, adam_state), train)
-    train = optax.apply_updates(train, updates)
-    return train, opt_state, {"loss": loss, "lr": lr, **aux}
 
 
 @dataclasses.dataclass
@@ -298,10 +107,26 @@ class DistillResult:
     data: dict  # the data description
     stopped: str | None  # "budget" / "until_step" when the run stopped before total_steps
 
+    @property
+    def too_brief(self) -> bool:
+        """Fewer steps than a warmup: the learning rate never reached its peak, and such a draft
+        was measured at 2.7% token agreement (a budget of 60 s for the default model on CPU)."""
+        return self.steps < BRIEF_STEPS
+
+
+BRIEF_STEPS = 40  # Recipe().warmup
+
+
+def measured_acceptance(target: Model, path, *, prompts: int = 2, new: int = 24) -> float:
+    """Pooled tokens per verification of the draft at ``path``: chain, gamma 4, greedy, on the
+    first held-out HumanEval prompts (never trained on)."""
+    draft = load_draft(path, target)
+    texts = humaneval(prompts)
+    r = generate(target, texts, draft=draft, method="chain", gamma=4, max_new_tokens=new)
+    return r.stats["acceptance_length"]
+
 
 def _checkpoint_manager(path: pathlib.Path):
-    import orbax.checkpoint as ocp
-
     return ocp.CheckpointManager(
         path.absolute(),
         options=ocp.CheckpointManagerOptions(
@@ -311,15 +136,25 @@ def _checkpoint_manager(path: pathlib.Path):
 
 
 def _state_tree(train, opt_state, step, position, total) -> dict:
-    from jaxspec.io.convert import _str_keys
-
     return {
-        "params": _str_keys(train),
+        "params": str_keys(train),
         "opt": {str(i): x for i, x in enumerate(jax.tree.leaves(opt_state))},
         "step": np.asarray(step, np.int64),
         "data_position": np.asarray(position, np.int64),
         "total_steps": np.asarray(total, np.int64),
     }
+
+
+@dataclasses.dataclass
+class _State:
+    """The training state between phases: weights, optimizer, position in the data."""
+
+    train: dict
+    opt_state: object
+    step: int
+    position: int
+    total: int
+    fixed_total: bool  # the step count is final (a budget fixes it from measured steps)
 
 
 def distill(
@@ -350,6 +185,37 @@ def distill(
     dtype: the stored draft's dtype. Returns a ``DistillResult``; the draft is ``result.path``.
     """
     t_start = time.perf_counter()
+    _check_call(target, options, budget_s, until_step, save_every)
+    store_dtype = np_dtype(dtype)
+    out = pathlib.Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"{out} exists and is not a folder; choose another --out.")
+    recipe, spec, fp = _run_description(target, out, resume, options, command)
+    deadline = None if budget_s is None else t_start + float(budget_s)
+    gen_deadline = None
+    if deadline is not None:
+        gen_deadline = t_start + (gen_budget_s if gen_budget_s is not None else 0.4 * budget_s)
+    windows, meta = _data(target, out / "data", spec, recipe, prompts, gen_deadline, progress)
+    dcfg = draft_config(target.config, recipe.layers, recipe.intermediate)
+    mngr = _checkpoint_manager(out / "train")
+    st = _restore_or_init(target, recipe, mngr, out, resume, fixed_total=deadline is None)
+    history, stopped = _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step,
+                              save_every, progress)  # fmt: skip
+    if stopped == "until_step":
+        return DistillResult(out / "draft", st.step, st.total, history, meta, stopped)
+    path = _write_draft(
+        out / "draft", dcfg, st.train, store_dtype, fp,
+        training={
+            "recipe": dataclasses.asdict(recipe), "data": meta, "steps": st.step,
+            "total_steps": st.total, "tokens_seen": st.step * recipe.batch * recipe.seq_len,
+            "stopped": stopped, "last_steps": _summary(history[-20:]),
+            "held_out": dict(HOLDOUT), "command": command,
+        },
+    )  # fmt: skip
+    return DistillResult(path, st.step, st.total, history, meta, stopped)
+
+
+def _check_call(target, options, budget_s, until_step, save_every) -> None:
     if not isinstance(target, Model):
         raise OptionError(
             f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
@@ -366,70 +232,71 @@ def distill(
         raise OptionError(f"until_step must be a positive integer, got {until_step!r}.")
     if not isinstance(save_every, int) or save_every < 1:
         raise OptionError(f"save_every must be a positive integer, got {save_every!r}.")
-    from jaxspec.io.convert import _np_dtype
 
-    store_dtype = _np_dtype(dtype)
-    out = pathlib.Path(out).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise OptionError(f"{out} exists and is not a folder; choose another --out.")
-    run_file = out / "run.json"
-    given_recipe = {k: v for k, v in options.items() if k in RECIPE_FIELDS}
-    given_data = {k: v for k, v in options.items() if k in DATA_FIELDS - {"seed"}}
+
+def _given(options: dict) -> tuple[dict, dict]:
+    """The recipe and data options the caller gave (the rest stay at their defaults)."""
+    recipe = {k: v for k, v in options.items() if k in RECIPE_FIELDS}
+    data = {k: v for k, v in options.items() if k in DATA_FIELDS - {"seed"}}
     if "data_seed" in options:
-        given_data["seed"] = options["data_seed"]
-    if "data" in given_data:
-        data = given_data["data"]
-        data = tuple(s for s in (data.split(",") if isinstance(data, str) else data) if s)
-        if not data:
+        data["seed"] = options["data_seed"]
+    if "data" in data:
+        sets = data["data"]
+        sets = tuple(s for s in (sets.split(",") if isinstance(sets, str) else sets) if s)
+        if not sets:
             raise OptionError("data must name at least one prompt set, e.g. 'humaneval,chat'.")
-        given_data["data"] = data
+        data["data"] = sets
+    return recipe, data
 
+
+def _run_description(target, out, resume, options, command):
+    """(recipe, data spec, target fingerprint): a new run's, written to ``out/run.json``, or the
+    resumed run's, checked against the options given now and the target."""
+    run_file = out / "run.json"
+    given_recipe, given_data = _given(options)
     fp = fingerprint(target)
-    if resume:
-        if not run_file.is_file():
-            raise CheckpointError(
-                f"nothing to resume in {out} (no run.json); start the run without --resume."
-            )
-        run = _read_json(run_file, "run description")
-        recipe = Recipe(**run["recipe"])
-        spec = DataSpec(**{**run["data"], "data": tuple(run["data"]["data"])})
-        for k, v in given_recipe.items():
-            if getattr(recipe, k) != v:
-                raise OptionError(
-                    f"the run in {out} was started with {k}={getattr(recipe, k)!r}; resume "
-                    f"with the same value (or none), not {v!r}, or start a new --out."
-                )
-        for k, v in given_data.items():
-            if getattr(spec, k) != v:
-                raise OptionError(
-                    f"the run in {out} generated its data with {k}={getattr(spec, k)!r}; "
-                    f"resume with the same value (or none), not {v!r}."
-                )
-        why = _same_target(run["target"], target)
-        if why is not None:
-            raise DraftError(f"the run in {out} distils for another target ({why}).")
-    else:
+    if not resume:
         if (out / "train").exists() or (out / "draft").exists():
             raise OptionError(
                 f"{out} already holds a distill run; pass resume=True (CLI: --resume) to "
                 "continue it, or choose another --out."
             )
-        recipe = Recipe(**given_recipe)
-        spec = DataSpec(**given_data)
-    _check_options(recipe, spec, target)
-    deadline = None if budget_s is None else t_start + float(budget_s)
-    if not resume:
+        recipe, spec = Recipe(**given_recipe), DataSpec(**given_data)
+        _check_options(recipe, spec, target)
         out.mkdir(parents=True, exist_ok=True)
-        run = {
-            "recipe": dataclasses.asdict(recipe),
-            "data": _spec_json(spec),
-            "target": fp,
-            "command": command,
-        }
+        run = {"recipe": dataclasses.asdict(recipe), "data": _spec_json(spec), "target": fp,
+               "command": command}  # fmt: skip
         _write_atomic(run_file, json.dumps(run, indent=2))
+        return recipe, spec, fp
+    if not run_file.is_file():
+        raise CheckpointError(
+            f"nothing to resume in {out} (no run.json); start the run without --resume."
+        )
+    run = _read_json(run_file, "run description")
+    recipe = Recipe(**run["recipe"])
+    spec = DataSpec(**{**run["data"], "data": tuple(run["data"]["data"])})
+    for k, v in given_recipe.items():
+        if getattr(recipe, k) != v:
+            raise OptionError(
+                f"the run in {out} was started with {k}={getattr(recipe, k)!r}; resume "
+                f"with the same value (or none), not {v!r}, or start a new --out."
+            )
+    for k, v in given_data.items():
+        if getattr(spec, k) != v:
+            raise OptionError(
+                f"the run in {out} generated its data with {k}={getattr(spec, k)!r}; "
+                f"resume with the same value (or none), not {v!r}."
+            )
+    why = _same_target(run["target"], target)
+    if why is not None:
+        raise DraftError(f"the run in {out} distils for another target ({why}).")
+    _check_options(recipe, spec, target)
+    return recipe, spec, fp
 
-    # ---- data
-    data_dir = out / "data"
+
+def _data(target, data_dir, spec, recipe, prompts, deadline, progress):
+    """The training windows ``[N, seq_len]`` and the data's description: generated by the
+    target (within ``deadline``) or, on a resume, read back."""
     if (data_dir / "meta.json").is_file():
         stream, meta = _load_data(data_dir)
         if meta.get("spec") != _spec_json(spec):
@@ -438,13 +305,8 @@ def distill(
                 "another --out."
             )
     else:
-        gen_deadline = None
-        if deadline is not None:
-            share = gen_budget_s if gen_budget_s is not None else 0.4 * float(budget_s)
-            gen_deadline = t_start + share
-        meta = generate_data(
-            target, data_dir, spec, prompts=prompts, deadline=gen_deadline, progress=progress
-        )
+        generate_data(target, data_dir, spec, prompts=prompts, deadline=deadline,
+                      progress=progress)  # fmt: skip
         stream, meta = _load_data(data_dir)
     windows = _windows(stream, recipe.seq_len)
     if windows.shape[0] < recipe.batch:
@@ -453,140 +315,103 @@ def distill(
             f"windows of {recipe.seq_len}; lower batch or seq_len, or generate more "
             "(samples, max_new, more prompts)."
         )
+    return windows, meta
 
-    # ---- model, optimizer, state
-    dcfg = draft_config(target.config, recipe.layers, recipe.intermediate)
-    dgraph = abstract_model(dcfg, target.dtype)[0]
-    shared = _shared_of(target)
+
+def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _State:
     opt = _optimizer(Optim.of(recipe))
-    mngr = _checkpoint_manager(out / "train")
     latest = mngr.latest_step() if resume else None
-    if latest is not None:
-        import orbax.checkpoint as ocp
-
-        from jaxspec.io.convert import _int_keys
-
-        train0 = init_draft_shapes(target, recipe)
-        opt0 = opt.init(train0)
-        try:
-            st = mngr.restore(
-                latest, args=ocp.args.StandardRestore(_state_tree(train0, opt0, 0, 0, 0))
-            )
-        except Exception as e:
-            raise CheckpointError(
-                f"could not restore the training checkpoint {latest} in {out / 'train'} "
-                f"({type(e).__name__}); remove that step folder to fall back to an earlier one."
-            ) from None
-        train = jax.tree.map(jnp.asarray, _int_keys(st["params"]))
-        leaves = [jnp.asarray(st["opt"][str(i)]) for i in range(len(st["opt"]))]
-        opt_state = jax.tree.unflatten(jax.tree.structure(opt0), leaves)
-        step, position, total = int(st["step"]), int(st["data_position"]), int(st["total_steps"])
-        fixed_total = True
-    else:
+    if latest is None:
         train = init_draft(target, recipe)
-        opt_state = opt.init(train)
-        step, position, total = 0, 0, recipe.steps
-        fixed_total = deadline is None
-    tokens_per_step = recipe.batch * recipe.seq_len
+        return _State(train, opt.init(train), 0, 0, recipe.steps, fixed_total)
+    train0 = init_draft_shapes(target, recipe)
+    opt0 = opt.init(train0)
+    try:
+        st = mngr.restore(latest, args=ocp.args.StandardRestore(_state_tree(train0, opt0, 0, 0, 0)))
+    except Exception as e:
+        raise CheckpointError(
+            f"could not restore the training checkpoint {latest} in {out / 'train'} "
+            f"({type(e).__name__}); remove that step folder to fall back to an earlier one."
+        ) from None
+    train = jax.tree.map(jnp.asarray, int_keys(st["params"]))
+    leaves = [jnp.asarray(st["opt"][str(i)]) for i in range(len(st["opt"]))]
+    opt_state = jax.tree.unflatten(jax.tree.structure(opt0), leaves)
+    return _State(
+        train, opt_state, int(st["step"]), int(st["data_position"]), int(st["total_steps"]), True
+    )
 
-    # ---- train
-    from tqdm.auto import tqdm
 
-    history: list[dict] = []
-    stopped = None
-    dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), train), shared)
+# Steps whose median time fixes the step count under a budget: the whole warmup (the learning
+# rate does not depend on the count until it ends). On the H200 the first steps after the
+# compile ran several times slower than the steady 16 steps/s, and 5 of them fixed 128 steps
+# where the budget had room for over a thousand.
+MIN_MEASURED_STEPS = 3
+RESERVE_S = 5.0  # kept for the last checkpoint and the draft's write
+
+
+def _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step, save_every, progress):
+    """Optimizer steps until the recipe's (or the budget's) count, ``until_step`` or the
+    deadline; checkpoints every ``save_every`` steps and at the end. Returns (history, why it
+    stopped early: "budget", "until_step" or None)."""
+    shared = _shared_of(target)
+    dgraph = abstract_model(dcfg, target.dtype)[0]
+    dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), st.train), shared)
     dnet = Net(dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate))
     static = dict(tnet=target.net(), dnet=dnet, recipe=Optim.of(recipe))
-    # the step count is fixed while the learning rate does not depend on it yet (warmup), from
-    # the median step time over the whole warmup: on the H200 the first steps after the compile
-    # ran several times slower than the steady 16 steps/s, and 5 of them fixed 128 steps where
-    # the budget had room for over a thousand
-    measure = max(3, recipe.warmup)
-    reserve = 5.0  # seconds kept for the last checkpoint and the draft's write
-    ends: list[float] = []  # step end times; the first step compiles and is not measured
-    bar = tqdm(total=total, initial=step, desc="distill", unit="step", disable=not progress)
-    last_saved = step
+    measure = max(MIN_MEASURED_STEPS, recipe.warmup)
+    tokens_per_step = recipe.batch * recipe.seq_len
+    history, stopped, ends, last_saved = [], None, [], st.step
+    bar = tqdm(total=st.total, initial=st.step, desc="distill", unit="step", disable=not progress)
     with bar:
         t_prev = time.perf_counter()
-        while step < total:
-            if until_step is not None and step >= until_step:
+        while st.step < st.total:
+            if until_step is not None and st.step >= until_step:
                 stopped = "until_step"
                 break
             per_step = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 2 else 0.0
             if (
                 deadline is not None
                 and ends
-                and time.perf_counter() + per_step + reserve > deadline
+                and time.perf_counter() + per_step + RESERVE_S > deadline
             ):
                 stopped = "budget"
                 break
-            tokens = jnp.asarray(_batch(windows, position, recipe.batch, recipe.seed))
-            train, opt_state, m = train_step(
-                train, opt_state, shared, target.flat, tokens, step, total, **static
+            tokens = jnp.asarray(_batch(windows, st.position, recipe.batch, recipe.seed))
+            st.train, st.opt_state, m = train_step(
+                st.train, st.opt_state, shared, target.flat, tokens, st.step, st.total, **static
             )
             m = {k: float(v) for k, v in m.items()}  # waits for the step
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             ends.append(now)
-            step += 1
-            position += recipe.batch
-            history.append({"step": step, **m})
-            if not fixed_total and len(ends) >= measure:
+            st.step += 1
+            st.position += recipe.batch
+            history.append({"step": st.step, **m})
+            if not st.fixed_total and len(ends) >= measure:
+                left = max(0.0, deadline - now - RESERVE_S)
                 per_step = float(np.median(np.diff(ends)))
-                left = max(0.0, deadline - now - reserve)
-                total = max(step, min(recipe.steps, step + int(left / per_step)))
-                fixed_total = True
-                bar.total = total
+                st.total = max(st.step, min(recipe.steps, st.step + int(left / per_step)))
+                st.fixed_total = True
+                bar.total = st.total
                 bar.refresh()
             bar.update(1)
-            bar.set_postfix(
-                loss=f"{m['loss']:.3f}",
-                agree=f"{m['agree']:.3f}",
-                tok_s=f"{tokens_per_step / max(dt, 1e-9):.0f}",
-            )
-            if step % save_every == 0 and step < total:
-                mngr.save(step, args=_save_args(train, opt_state, step, position, total))
-                last_saved = step
-        if not fixed_total:  # the budget ran out before the step count was fixed
-            total = step
-    if step != last_saved or mngr.latest_step() is None:
-        mngr.save(step, args=_save_args(train, opt_state, step, position, total), force=True)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", agree=f"{m['agree']:.3f}",
+                            tok_s=f"{tokens_per_step / max(dt, 1e-9):.0f}")  # fmt: skip
+            if st.step % save_every == 0 and st.step < st.total:
+                mngr.save(st.step, args=_save_args(st.train, st.opt_state, st.step, st.position,
+                                                   st.total))  # fmt: skip
+                last_saved = st.step
+        if not st.fixed_total:  # the budget ran out before the step count was fixed
+            st.total = st.step
+    if st.step != last_saved or mngr.latest_step() is None:
+        args = _save_args(st.train, st.opt_state, st.step, st.position, st.total)
+        mngr.save(st.step, args=args, force=True)
     mngr.wait_until_finished()
     mngr.close()
-    if stopped == "until_step":
-        path = out / "draft"
-    else:
-        path = _write_draft(
-            out / "draft",
-            dcfg,
-            train,
-            store_dtype,
-            fp,
-            training={
-                "recipe": dataclasses.asdict(recipe),
-                "data": meta,
-                "steps": step,
-                "total_steps": total,
-                "tokens_seen": step * tokens_per_step,
-                "stopped": stopped,
-                "last_steps": _summary(history[-20:]),
-                "held_out": {k: v for k, v in HOLDOUT.items()},
-                "command": command,
-            },
-        )
-    return DistillResult(path, step, total, history, meta, stopped)
-
-
-def init_draft_shapes(target: Model, recipe: Recipe) -> dict:
-    """Abstract float32 shapes of the trainable weights (no compute)."""
-    cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
-    _, st = abstract_model(cfg, jnp.float32)
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), _trainable(_pure(st)))
+    return history, stopped
 
 
 def _save_args(train, opt_state, step, position, total):
-    import orbax.checkpoint as ocp
-
     return ocp.args.StandardSave(_state_tree(train, opt_state, step, position, total))
 
 

@@ -23,7 +23,7 @@ the loop ends on the verdict's ``done``, which both devices see.
 A single-exchange variant (c4824b0: the verdict one way and the grown tree the other in one
 ``ppermute``, the next snapshot computed on both devices) was measured slower on two H200s:
 6.52 ms an iteration against 7.83 serial (0.83x), where this loop made 6.22 against 8.27
-(0.75x); it was reverted (benchmarks/notes/swiftspec_2gpu_loops.md).
+(0.75x); it was reverted (git show 785ba73:benchmarks/notes/swiftspec_2gpu_loops.md).
 
 The program also makes the states (the target's prefill on its device, the draft's first tree
 and snapshot on its own) and returns only the tokens and counters: on two H200s (422a005) the

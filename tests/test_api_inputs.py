@@ -1,0 +1,104 @@
+"""What ``generate`` takes as prompts and settings: arrays and flat id lists as HF users pass them,
+and every bad value a clear ``JaxspecError`` naming it (never a truncated float, never inf)."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from tests import tiny
+
+TARGET = tiny.model(0)
+IDS = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+def tokens(prompts, **kw):
+    return jaxspec.generate(TARGET, prompts, max_new_tokens=4, **kw).tokens
+
+
+def test_integer_arrays_are_prompts_like_lists():
+    ref = tokens(IDS)
+    assert tokens(np.asarray(IDS, np.int32)) == ref
+    assert tokens(jnp.asarray(IDS)) == ref
+    assert tokens(np.asarray(IDS[0], np.int64)) == ref[:1]  # 1-D: one prompt
+
+
+def test_a_flat_id_list_is_one_prompt():
+    """HF's ``input_ids`` style: [1, 2, 3] is one prompt of three tokens, not three prompts."""
+    r = jaxspec.generate(TARGET, IDS[0], max_new_tokens=4)
+    assert len(r.tokens) == 1 and r.tokens == tokens([IDS[0]])
+
+
+BAD_PROMPTS = [
+    ([1.0, 2.0, 3.0], "integer token ids"),  # floats are refused, not truncated
+    (np.asarray([[1.5, 2.0]]), "must be integers"),
+    ([[1.9, 2.2]], "integer token ids"),
+    (np.zeros((1, 2, 2), np.int32), "1-D"),
+    ([], "no prompts"),
+    ([[]], "empty"),
+    (["  "], "empty"),
+    ([[1, TARGET.config.vocab_size]], "outside the vocabulary"),
+    ([[-1, 2]], "outside the vocabulary"),
+    (None, "no prompts"),
+    ({"a": 1}, "no prompts"),
+    (["no tokenizer here"], "no tokenizer"),
+]
+
+
+@pytest.mark.parametrize("prompts, match", BAD_PROMPTS)
+def test_bad_prompts_are_prompt_errors(prompts, match):
+    with pytest.raises(jaxspec.PromptError, match=match):
+        jaxspec.generate(TARGET, prompts, max_new_tokens=2)
+
+
+BAD_SETTINGS = [
+    (dict(temperature="hot"), "temperature must be a number"),
+    (dict(temperature=math.inf), "temperature must be finite"),
+    (dict(temperature=math.nan), "temperature must be finite"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=1.5), "top_k must be an integer"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed=-1), "seed"),
+    (dict(seed="x"), "seed"),
+    (dict(seed=2**40), "seed"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(method="beam"), "unknown method"),
+    (dict(method="chain", draft="ngarm"), "unknown draft 'ngarm'"),
+    (dict(method="chain", gamma=0, draft="ngram"), "gamma must be a positive integer"),
+    (dict(method="chain", draft="ngram", depth=2), "does not take option"),
+    (dict(method="tree", draft="ngram", bs=1000), "bs must be at most"),
+    (dict(method="magicdec", draft="ngram"), "sparse-KV draft"),
+    (dict(method="magicdec"), "needs a sparse-KV draft"),
+    (dict(method="magicdec", draft="self-streaming", shape="round"), "shape must be one of"),
+    (dict(method="swiftspec", draft="self-streaming", loop="fast"), "loop must be one of"),
+    (dict(method="autoregressive", draft="ngram"), "takes no draft"),
+    (dict(kernels="fast"), "KernelConfig"),
+]
+
+
+@pytest.mark.parametrize("kw, match", BAD_SETTINGS, ids=[str(k) for k, _ in BAD_SETTINGS])
+def test_bad_settings_are_errors_naming_the_setting(kw, match):
+    with pytest.raises(jaxspec.JaxspecError, match=match):
+        jaxspec.generate(TARGET, IDS, **{"max_new_tokens": 2, **kw})
+
+
+def test_bad_kernel_config_values_name_the_field():
+    for kw in (
+        dict(attention="flash"),
+        dict(fused_linear="yes"),
+        dict(linear_tile=(48, 128, 4)),
+        dict(prefill_chunk=100),
+        dict(loop_chunk=0),
+        dict(gemm_rows=-1),
+        dict(row_padding="both"),
+    ):
+        with pytest.raises(jaxspec.OptionError, match=next(iter(kw))):
+            jaxspec.KernelConfig(**kw)
+    with pytest.raises(jaxspec.OptionError, match="needs a GPU"):
+        jaxspec.KernelConfig(fused_attention="pallas").resolve(TARGET.config, backend="cpu")
