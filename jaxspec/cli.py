@@ -583,12 +583,15 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the writers have already removed what they had begun
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
