@@ -573,6 +573,15 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def _check_before_work(args) -> None:
+    """What can be refused before a model loads: an --out that cannot be written (bench writes
+    a file, distill a folder)."""
+    from jaxspec.io.paths import check_output_path
+
+    if getattr(args, "out", None) is not None:
+        check_output_path(args.out, "--out", folder=args.command == "distill")
+
+
 COMMANDS = {
     "convert": cmd_convert,
     "generate": cmd_generate,
@@ -585,6 +594,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        _check_before_work(args)
         return COMMANDS[args.command](args)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
-from jaxspec.io.paths import interrupts_held, temp_dir, writing_beside
+from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
 from jaxspec.model.transformer import Model, abstract_model
 
@@ -150,14 +150,7 @@ def check_destination(src: pathlib.Path, dst: pathlib.Path, *, overwrite: bool) 
             f"the destination {dst} {what} ({src}); writing there would destroy the source. "
             "Choose a destination outside it."
         )
-    for parent in [real_dst, *real_dst.parents]:
-        if parent.exists() and not parent.is_dir():
-            where = "is" if parent == real_dst else f"is under {parent}, which is"
-            raise CheckpointError(
-                f"the destination {dst} {where} a file, not a folder; choose another destination."
-            )
-        if parent.exists():
-            break
+    check_output_path(dst, "destination", folder=True, error=CheckpointError)
     if not real_dst.is_dir() or not any(real_dst.iterdir()):
         return
     if not overwrite:

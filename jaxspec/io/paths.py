@@ -1,5 +1,5 @@
-"""Where jaxspec writes: the temporary folders that make every write atomic, and Ctrl-C held
-while a write's background threads run.
+"""Where jaxspec writes: output paths checked before any work, the temporary folders that make
+every write atomic, and Ctrl-C held while a write's background threads run.
 
 A temporary folder sits beside its destination (same file system, so the final rename is
 atomic) and is named after the process that owns it::
@@ -25,15 +25,48 @@ import secrets
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, OptionError
 
 # Only "tmp" folders are ever swept: an "old" one (see convert._move_into_place) may hold the
 # only copy of a checkpoint that a killed swap had moved aside.
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{8})-(\d+)-(\d+)-[0-9a-f]{8}$")
 _NAME_ROOM = 100  # of DST's name in a temporary name: file names stop at 255 bytes
+
+
+def check_output_path(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    folder: bool,
+    error: type[JaxspecError] = OptionError,
+) -> pathlib.Path:
+    """Refuse, before any work, an output path that cannot be written: one under a file, a
+    folder where a file is wanted (or the reverse), or one whose nearest existing folder does not
+    take new files. ``what`` names it in the message (a flag such as ``--out``). Creates
+    nothing; returns the absolute path."""
+    path = pathlib.Path(path).expanduser().absolute()
+    if path.is_dir() and not folder:
+        raise error(f"{what} {path} is a folder; give a file path, such as {path / 'out.json'}.")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() and (existing != path or folder):
+        where = "is" if existing == path else f"is under {existing}, which is"
+        raise error(f"{what} {path} {where} a file, not a folder; choose another {what}.")
+    target = existing if existing.is_dir() else existing.parent
+    try:
+        # an unnamed file (O_TMPFILE where Linux has it): proves writing works, even for root
+        # on a read-only mount, and leaves nothing behind
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise error(
+            f"{what} {path} cannot be written: {target} does not take new files "
+            f"({e.strerror or e}); choose a folder you can write to."
+        ) from None
+    return path
 
 
 def temp_dir(dst: pathlib.Path, kind: str = "tmp") -> pathlib.Path:
