@@ -706,6 +706,10 @@ def load(
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(path).expanduser().absolute()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        raise _convert_first(path, "a GGUF file")
+    if _is_hf_folder(path):
+        raise _convert_first(path, "an HF model folder")
     if not path.is_dir():
         raise CheckpointError(
             f"no converted checkpoint at {path}; create one with jaxspec.convert(src, "
@@ -763,6 +767,33 @@ def load(
     if (path / "tokenizer").is_dir():
         tok = _load_tokenizer(str(path / "tokenizer"))
     return Model(cfg, graphdef, state, tok, name=path.name)
+
+
+def _is_hf_folder(path: pathlib.Path) -> bool:
+    """An HF model folder: config.json beside safetensors weights (or an HF config: one with a
+    model_type), and no params/ of a converted checkpoint."""
+    if not (path / "config.json").is_file() or (path / "params").is_dir():
+        return False
+    if next(path.glob("*.safetensors"), None) is not None:
+        return True
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _convert_first(src: pathlib.Path, what: str) -> CheckpointError:
+    """The error for a model that ``load`` cannot read until it is converted, with the command
+    that converts it (into a folder beside it)."""
+    import shlex
+
+    stem = src.with_suffix("") if src.is_file() else src
+    dst = stem if stem != src and not stem.exists() else stem.with_name(stem.name + "-jaxspec")
+    return CheckpointError(
+        f"{src} is {what}, not a converted checkpoint; convert it first: jaxspec convert "
+        f"{shlex.quote(str(src))} {shlex.quote(str(dst))} (Python: jaxspec.convert"
+        f"({str(src)!r}, {str(dst)!r})), then load {dst}."
+    )
 
 
 def _corrupt(params_dir: pathlib.Path, e: Exception) -> CheckpointError:
