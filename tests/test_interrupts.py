@@ -4,6 +4,7 @@ while one that a live convert owns is kept."""
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def _write_seconds(src, dst, monkeypatch) -> float:
 
     monkeypatch.setattr(jconvert, "_save_params", timed)
     convert(src, dst, dtype="float32", progress=False)
+    shutil.rmtree(dst)
     return took[0]
 
 
