@@ -1,5 +1,5 @@
 """Where jaxspec writes: output paths checked before any work, the temporary folders that make
-every write atomic, and Ctrl-C held while a write's background threads run.
+every write atomic, and Ctrl-C held during a write until a point where stopping is safe.
 
 A temporary folder sits beside its destination (same file system, so the final rename is
 atomic) and is named after the process that owns it::
