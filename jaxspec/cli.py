@@ -455,12 +455,10 @@ def cmd_profile(args) -> int:
     head += f"{'d':>3} {'iteration ms':>13}"
     if args.acceptance:
         head += f" {'implied tok/s':>14}"
-    printed = []
+    show_head = _header(head)
 
-    def row(p):  # the header with the first row: an error before any row prints no table
-        if not printed:
-            print(head)
-            printed.append(True)
+    def row(p):
+        show_head()
         line = f"{p.target_devices:>6} {p.draft_devices:>5} {p.t_verify_ms:>10.3f} "
         line += f"{p.t_draft_ms:>10.3f} {p.handoff_ms:>11.3f} {p.d:>3} {p.iteration_ms:>13.3f}"
         if args.acceptance:
@@ -476,6 +474,18 @@ def cmd_profile(args) -> int:
         f"d = {best.d} (iteration {best.iteration_ms:.3f} ms)"
     )
     return 0
+
+
+def _header(*lines: str):
+    """A table's header, printed by the returned function's first call (with the first row), so
+    that an error before any row is printed alone."""
+    pending = list(lines)
+
+    def show() -> None:
+        while pending:
+            print(pending.pop(0))
+
+    return show
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -501,14 +511,15 @@ def _profile_magicdec(args, target, draft) -> int:
         def prompts(b, p):
             return datasets.longdoc_prompts(target.tokenizer, b, p)
 
-    print(
+    show_head = _header(
         f"{'batch':>5} {'prefix':>6} {'T_T ms':>8} {'T_D ms':>8} {'alpha':>5} {'slow':>5} "
-        f"{'gamma':>5} {'T_V ms':>8} {'speedup':>7}"
+        f"{'gamma':>5} {'T_V ms':>8} {'speedup':>7}",
+        "(alpha: the mean row's; slow: the slowest row's, which the batch waits for and the ",
+        " predictions use)",
     )
-    print("(alpha: the mean row's; slow: the slowest row's, which the batch waits for and the ")
-    print(" predictions use)")
 
     def row(r):
+        show_head()
         for i, g in enumerate(sorted(r["t_v_ms"])):
             lead = (
                 f"{r['batch']:>5} {r['prefix']:>6} {r['t_t_ms']:>8.3f} {r['t_d_ms']:>8.3f} "
@@ -589,6 +600,29 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def _check_before_work(args) -> None:
+    """What can be refused before a model loads: an --out that cannot be written (bench writes
+    a file, distill a folder) and a --draft that is neither a folder nor a known kind."""
+    import pathlib
+
+    from jaxspec.errors import DraftError
+    from jaxspec.io.paths import check_output_path
+
+    if getattr(args, "out", None) is not None:
+        check_output_path(args.out, "--out", folder=args.command == "distill")
+    draft = getattr(args, "draft", None)
+    if draft is None or draft in DRAFT_KINDS or pathlib.Path(draft).expanduser().exists():
+        return
+    import difflib
+
+    close = difflib.get_close_matches(draft, DRAFT_KINDS, n=1)
+    raise DraftError(
+        f"--draft {draft!r} is neither a folder nor a known draft kind; give a draft checkpoint "
+        f"folder or one of {', '.join(DRAFT_KINDS)}"
+        + (f" (did you mean {close[0]}?)." if close else ".")
+    )
+
+
 COMMANDS = {
     "convert": cmd_convert,
     "generate": cmd_generate,
@@ -617,14 +651,18 @@ def cli_message(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command != "convert":  # a bad kernel setting fails before any work
             args.kernels = kernels()
+        _check_before_work(args)
         return COMMANDS[args.command](args)
     except JaxspecError as e:
         print(f"error: {cli_message(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the writers have already removed what they had begun
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -223,3 +223,38 @@ def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Pat
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def save_wide_llama(folder: pathlib.Path, *, hidden: int, intermediate: int, layers: int):
+    """A Llama of random float32 weights with a tiny vocabulary but wide layers, written straight
+    with safetensors (no torch model is built): a checkpoint large enough that converting it
+    takes seconds."""
+    from safetensors.numpy import save_file
+
+    heads = hidden // 64
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    cfg.save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{n}_proj.weight": (hidden, hidden) for n in "qkvo"}
+        shapes |= {p + f"mlp.{n}_proj.weight": (intermediate, hidden) for n in ("gate", "up")}
+        shapes[p + "mlp.down_proj.weight"] = (hidden, intermediate)
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    save_file(
+        {k: rng.standard_normal(s, np.float32) for k, s in shapes.items()},
+        str(folder / "model.safetensors"),
+    )
+    return folder

@@ -62,6 +62,18 @@ def test_prompt_files(tmp_path):
         datasets.load(f"file:{tmp_path / 'nope'}")
 
 
+def test_prompt_files_in_json_take_text_and_token_ids(tmp_path):
+    listed = tmp_path / "p.json"
+    listed.write_text(json.dumps(["a", [5, 6]]))
+    saved = tmp_path / "saved.json"  # the layout of benchmarks/prompts/*.json
+    saved.write_text(json.dumps({"source": "mine", "prompts": ["b", "c"]}))
+    lines = tmp_path / "p.jsonl"
+    lines.write_text('[7, 8]\n\n"d"\n')
+    assert datasets.load(f"file:{listed}")[0] == ["a", [5, 6]]
+    assert datasets.load(f"file:{saved}", 1)[0] == ["b"]
+    assert datasets.load(f"file:{lines}")[0] == [[7, 8], "d"]
+
+
 def test_stdlib_prompts_are_signatures_with_docstrings(tmp_path):
     import ast
 

@@ -1,2 +1,3 @@
 """Reading and writing: HF safetensors and GGUF readers, convert (Orbax), load, drafts on disk,
-the embedded default model and the prompt sets."""
+the embedded default model, the prompt sets, and where writes go (paths: output checks,
+temporary folders, Ctrl-C during a write)."""

@@ -7,8 +7,9 @@ A converted checkpoint is a folder::
     tokenizer/     the tokenizer, saved with ``save_pretrained`` (absent if the source had none)
 
 ``convert`` writes it atomically: everything goes into a temporary folder beside ``dst`` that is
-renamed into place at the end, and removed on any failure. ``load`` restores the parameters
-straight into their final placement (one device, or NamedShardings over a mesh).
+renamed into place at the end, and removed on any failure or Ctrl-C (see ``jaxspec.io.paths``).
+``load`` restores the parameters straight into their final placement (one device, or
+NamedShardings over a mesh).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import math
 import os
 import pathlib
-import secrets
 import shutil
 import struct
 from collections.abc import Iterator
@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
 from jaxspec.model.transformer import Model, abstract_model
 
@@ -83,10 +84,9 @@ def convert(
             "(config.json + *.safetensors) or a .gguf file."
         )
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh_dir(dst, "tmp")
-    try:
+    with writing_beside(dst) as (tmp, check):
         cfg = reader.config()
+        check()
         bar = tqdm(
             total=reader.num_tensors(),
             desc=f"converting {src.name}",
@@ -94,8 +94,9 @@ def convert(
             disable=not progress,
         )
         with bar:
-            tree = hf_to_tree(_counted(reader.tensors(cfg), bar), cfg, np_dtype)
+            tree = hf_to_tree(_counted(reader.tensors(cfg), bar, check), cfg, np_dtype)
         tok = reader.tokenizer() if tokenizer else None
+        check()
         _save_params(tmp / "params", tree)
         del tree
         # ModelConfig's fields plus the stored dtype (ModelConfig.from_json ignores extra keys)
@@ -103,10 +104,8 @@ def convert(
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         if tok is not None:
             tok.save_pretrained(str(tmp / "tokenizer"))
+        check()
         _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -151,14 +150,7 @@ def check_destination(src: pathlib.Path, dst: pathlib.Path, *, overwrite: bool) 
             f"the destination {dst} {what} ({src}); writing there would destroy the source. "
             "Choose a destination outside it."
         )
-    for parent in [real_dst, *real_dst.parents]:
-        if parent.exists() and not parent.is_dir():
-            where = "is" if parent == real_dst else f"is under {parent}, which is"
-            raise CheckpointError(
-                f"the destination {dst} {where} a file, not a folder; choose another destination."
-            )
-        if parent.exists():
-            break
+    check_output_path(dst, "destination", folder=True, error=CheckpointError)
     if not real_dst.is_dir() or not any(real_dst.iterdir()):
         return
     if not overwrite:
@@ -175,25 +167,13 @@ def check_destination(src: pathlib.Path, dst: pathlib.Path, *, overwrite: bool) 
         )
 
 
-def _counted(items: Iterator, bar) -> Iterator:
+def _counted(items: Iterator, bar, check) -> Iterator:
     # A plain generator (not the tqdm object itself): runtime type checkers sample reiterable
     # containers such as tqdm by iterating them, which would drain a one-shot tensor stream.
     for item in items:
+        check()  # a held Ctrl-C stops the convert between tensors
         yield item
         bar.update(1)
-
-
-def _fresh_dir(dst: pathlib.Path, kind: str) -> pathlib.Path:
-    """A new hidden folder beside ``dst`` (same file system, so renames are atomic), created
-    with the default permissions (``tempfile.mkdtemp`` would make it private to the user)."""
-    for _ in range(100):
-        path = dst.parent / f".{dst.name}.{kind}-{secrets.token_hex(4)}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise CheckpointError(f"could not create a temporary folder beside {dst}.")
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -207,9 +187,11 @@ def _np_dtype(dtype) -> np.dtype:
 
 
 def _save_params(path: pathlib.Path, tree: dict) -> None:
+    """Write ``tree`` as an Orbax checkpoint; a Ctrl-C waits for the write to end (see
+    ``interrupts_held``), so that the caller's cleanup has nothing left to race."""
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ckptr:
+    with interrupts_held(), ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, _str_keys(tree))
         ckptr.wait_until_finished()
 
@@ -238,15 +220,17 @@ def _move_into_place(tmp: pathlib.Path, dst: pathlib.Path) -> None:
     if _exchange(tmp, dst):
         shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
         return
-    old = _fresh_dir(dst, "old")
-    os.replace(dst, old / "ckpt")
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        os.replace(old / "ckpt", dst)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    # two renames: a Ctrl-C between them would leave no checkpoint at dst
+    with interrupts_held():
+        old = temp_dir(dst, "old")
+        os.replace(dst, old / "ckpt")
+        try:
+            os.replace(tmp, dst)
+        except BaseException:
+            os.replace(old / "ckpt", dst)
+            raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _str_keys(tree):
@@ -722,6 +706,10 @@ def load(
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(path).expanduser().absolute()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        raise _convert_first(path, "a GGUF file")
+    if _is_hf_folder(path):
+        raise _convert_first(path, "an HF model folder")
     if not path.is_dir():
         raise CheckpointError(
             f"no converted checkpoint at {path}; create one with jaxspec.convert(src, "
@@ -779,6 +767,33 @@ def load(
     if (path / "tokenizer").is_dir():
         tok = _load_tokenizer(str(path / "tokenizer"))
     return Model(cfg, graphdef, state, tok, name=path.name)
+
+
+def _is_hf_folder(path: pathlib.Path) -> bool:
+    """An HF model folder: config.json beside safetensors weights (or an HF config: one with a
+    model_type), and no params/ of a converted checkpoint."""
+    if not (path / "config.json").is_file() or (path / "params").is_dir():
+        return False
+    if next(path.glob("*.safetensors"), None) is not None:
+        return True
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _convert_first(src: pathlib.Path, what: str) -> CheckpointError:
+    """The error for a model that ``load`` cannot read until it is converted, with the command
+    that converts it (into a folder beside it)."""
+    import shlex
+
+    stem = src.with_suffix("") if src.is_file() else src
+    dst = stem if stem != src and not stem.exists() else stem.with_name(stem.name + "-jaxspec")
+    return CheckpointError(
+        f"{src} is {what}, not a converted checkpoint; convert it first: jaxspec convert "
+        f"{shlex.quote(str(src))} {shlex.quote(str(dst))} (Python: jaxspec.convert"
+        f"({str(src)!r}, {str(dst)!r})), then load {dst}."
+    )
 
 
 def _corrupt(params_dir: pathlib.Path, e: Exception) -> CheckpointError:

@@ -22,7 +22,8 @@
   fixed pseudo-random order (by a hash of their path), so a prefix of the set spreads over the
   library. A second real code source for distillation (``jaxspec distill --data``), disjoint from
   HumanEval.
-* ``file:PATH``: your own prompts, one JSON string per line (``.jsonl``) or one per line (text).
+* ``file:PATH``: your own prompts (see ``file_prompts``): a JSON list (``.json``), one JSON
+  value per line (``.jsonl``) or one prompt per line (any other name).
 
 ``benchmarks/prompts/make_prompts.py`` regenerates the saved files from the packages.
 """
@@ -33,6 +34,8 @@ import json
 import pathlib
 
 from jaxspec.errors import OptionError
+
+Prompt = str | list[int]  # text, or token ids (from .json / .jsonl files)
 
 PROMPTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/prompts"
 SAVED = PROMPTS / "humaneval.json"
@@ -49,7 +52,7 @@ SOURCES = {
 CHAT_SETS = {"chat", "longdoc"}
 
 
-def _first(prompts: list[str], n: int | None, name: str, hint: str = "") -> list[str]:
+def _first(prompts: list[Prompt], n: int | None, name: str, hint: str = "") -> list[Prompt]:
     if n is not None and n < 1:
         raise OptionError(f"the number of prompts must be positive, got {n}.")
     if n and n > len(prompts):
@@ -221,7 +224,75 @@ def stdlib(n: int | None = None) -> list[str]:
     return _first(out, n, "stdlib")
 
 
-def load(name: str, n: int | None = None) -> tuple[list[str], str]:
+def file_prompts(path: pathlib.Path) -> list[Prompt]:
+    """The prompts in a UTF-8 file. A prompt is a string, or a list of token ids in ``.json``
+    and ``.jsonl`` files. ``.json``: a list of prompts, or an object whose ``"prompts"`` is one
+    (as in ``benchmarks/prompts/``); ``.jsonl``: one prompt per line; any other name: one
+    prompt per line, as text. Blank lines are skipped."""
+    if not path.is_file():
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise OptionError(f"prompt file {path} {what}; give file:PATH with a file of prompts.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise OptionError(
+            f"prompt file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}); save it as UTF-8."
+        ) from None
+    except OSError as e:
+        raise OptionError(f"prompt file {path} cannot be read ({e.strerror or e}).") from None
+    lines = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+    if path.suffix == ".json":
+        value = _json(text, f"prompt file {path}")
+        if isinstance(value, dict) and "prompts" in value:
+            value = value["prompts"]
+        if not isinstance(value, list):
+            raise OptionError(
+                f"prompt file {path} holds a JSON {_kind(value)} where a list of prompts is "
+                'expected: write ["first prompt", "second prompt", ...] or {"prompts": [...]}.'
+            )
+        prompts = [_prompt(p, f"prompt {i} in {path}") for i, p in enumerate(value)]
+    elif path.suffix == ".jsonl":
+        prompts = [
+            _prompt(_json(ln, f"line {i} of {path}"), f"line {i} of {path}") for i, ln in lines
+        ]
+    else:
+        prompts = [ln for _, ln in lines]
+    if not prompts:
+        raise OptionError(f"prompt file {path} holds no prompts.")
+    return prompts
+
+
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise OptionError(f"{where} is not valid JSON ({e}).") from None
+
+
+def _kind(value) -> str:
+    kinds = {dict: "object", list: "list", str: "string", bool: "true/false", type(None): "null"}
+    return kinds.get(type(value), "number")
+
+
+def _prompt(value, where: str) -> Prompt:
+    """A prompt from a JSON value: a string, or a non-empty list of integer token ids."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(type(x) is int for x in value):
+        return value
+    if isinstance(value, list):
+        bad = next((x for x in value if type(x) is not int), None)
+        what = f"a list holding {json.dumps(bad)}" if value else "an empty list"
+    else:
+        what = f"a JSON {_kind(value)}"
+    raise OptionError(
+        f"{where} is {what}, not a prompt: give a JSON string (the text) or a non-empty list "
+        "of integer token ids."
+    )
+
+
+def load(name: str, n: int | None = None) -> tuple[list[Prompt], str]:
     """(prompts, source description) of a dataset name."""
     if name == "humaneval":
         return humaneval(n), SOURCES["humaneval"]
@@ -234,12 +305,8 @@ def load(name: str, n: int | None = None) -> tuple[list[str], str]:
 
         return stdlib(n), SOURCES["stdlib"].format(sys.version.split()[0])
     if name.startswith("file:"):
-        path = pathlib.Path(name[5:])
-        if not path.is_file():
-            raise OptionError(f"prompt file {path} does not exist.")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        prompts = [json.loads(ln) for ln in lines] if path.suffix == ".jsonl" else lines
-        return _first(prompts, n, str(path)), f"file {path}"
+        path = pathlib.Path(name[5:]).expanduser()
+        return _first(file_prompts(path), n, str(path)), f"file {path}"
     raise OptionError(
         f"unknown dataset {name!r}: use {', '.join(repr(k) for k in SOURCES)} or 'file:PATH'."
     )

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -216,9 +215,8 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
     """``draft.json`` + ``params/`` (only the draft's own weights), atomically."""
-    import orbax.checkpoint as ocp
-
-    from jaxspec.io.convert import _str_keys
+    from jaxspec.io.convert import _save_params
+    from jaxspec.io.paths import writing_beside
     from jaxspec.provenance import metadata
 
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
@@ -233,24 +231,18 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
         "target": fp,
         "training": {**training, **{k: v for k, v in metadata().items() if k != "command"}},
     }
-    tmp = _fresh_dir(dst)
-    try:
-        with ocp.StandardCheckpointer() as ck:
-            ck.save(tmp / "params", _str_keys(weights))
-            ck.wait_until_finished()
+    with writing_beside(dst) as (tmp, _):
+        _save_params(tmp / "params", weights)
         (tmp / "draft.json").write_text(json.dumps(meta, indent=2))
         _replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
 def _fresh_dir(dst: pathlib.Path) -> pathlib.Path:
-    from jaxspec.io.convert import _fresh_dir as fresh
+    from jaxspec.io.paths import temp_dir
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    return fresh(dst, "tmp")
+    return temp_dir(dst)
 
 
 def _replace(tmp: pathlib.Path, dst: pathlib.Path) -> None:

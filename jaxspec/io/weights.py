@@ -45,6 +45,19 @@ def param_path(name: str) -> tuple[tuple, bool] | None:
     return None
 
 
+def _unsupported_bias(name: str, module: str) -> CheckpointError:
+    if module in ("q_proj", "k_proj", "v_proj"):
+        return CheckpointError(
+            f"the checkpoint has the bias {name}, but its config declares no q/k/v biases "
+            "(attention_bias is false); its config.json does not match its weights."
+        )
+    return CheckpointError(
+        f"the checkpoint has the bias {name}, which jaxspec does not support: it runs biases on "
+        "q_proj, k_proj and v_proj only (as Qwen2 has them), not on o_proj or the MLP, so this "
+        "model cannot be converted."
+    )
+
+
 def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict:
     """Build the nested parameter dict from (HF name, array) pairs, checking every shape."""
     want = param_shapes(cfg)
@@ -56,6 +69,8 @@ def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtyp
         path, transpose = found
         if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
             continue
+        if path not in want and path[-1] == "bias":
+            raise _unsupported_bias(name, path[-2])
         arr = np.asarray(arr)
         arr = arr.T if transpose else arr
         if path not in want or tuple(arr.shape) != want[path]:
