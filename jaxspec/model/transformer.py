@@ -21,168 +21,24 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model.attention import Attention
 from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
+from jaxspec.model.layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    init_param,
+    matmul,
+    mode_of,
+    rope_tables,
+    stream_rows,
+    tokens_of,
+)
 from jaxspec.prompts import check_token_ids
-from pallas_kernels import dispatch, fused_linear, rope_attention
-from pallas_kernels.reference import apply_rope
-from pallas_kernels.reference import scatter_rows as write
-
-
-def tokens_of(y, b: int, t: int, *tail: int):
-    """``y`` (``[b, t, f]`` or padded rows ``[R, f]``) as ``[b, t, *tail]``: the real rows."""
-    return y.reshape(-1, y.shape[-1])[: b * t].reshape(b, t, *tail)
-
-
-def rows_like(y, like):
-    """``y [b, t, ...]`` in the layout of ``like``: ``[b, t, f]``, or ``like``'s padded rows."""
-    b, t = y.shape[:2]
-    if like.ndim == 3:
-        return y.reshape(b, t, -1)
-    return jnp.pad(y.reshape(b * t, -1), ((0, like.shape[0] - b * t), (0, 0)))
-
-
-def stream_rows(n: int, kernels: KernelConfig) -> int | None:
-    """The padded row count of a residual stream of ``n`` rows (None: not padded)."""
-    want = kernels.gemm_rows
-    if kernels.row_padding == "gemm" or n >= want:
-        return None
-    return want
-
-
-def _init(rngs: nnx.Rngs, shape, dtype, scale=0.02):
-    return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-def matmul(x, w, rows: int, out_dtype=None):
-    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, inputs of fewer than ``rows`` rows
-    padded to that many (``KernelConfig.gemm_rows``); ``out_dtype`` asks for that result type
-    (accumulation at least as precise)."""
-    mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
-    n = x.size // x.shape[-1]
-    if n >= rows:
-        return mm(x, w)
-    flat = jnp.pad(x.reshape(n, x.shape[-1]), ((0, rows - n), (0, 0)))
-    return mm(flat, w)[:n].reshape(*x.shape[:-1], w.shape[-1])
-
-
-class Linear(nnx.Module):
-    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_init(rngs, (din, dout), dtype))
-        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
-
-    def __call__(self, x, rows: int):
-        y = matmul(x, self.kernel[...], rows)
-        return y if self.bias is None else y + self.bias[...]
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        # As HF: normalise in float32, cast back, then scale.
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
-
-
-def rope_tables(cfg: ModelConfig, positions: Int[Array, "b t"]):
-    """cos, sin ``[B, T, hd/2]`` in float32 (the same float32 arithmetic HF uses)."""
-    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-    angles = positions.astype(jnp.float32)[..., None] * inv
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def _mode(setting: str) -> str | None:
-    """A resolved fused-kernel setting as the kernels' mode: 'pallas' / 'interpret' / None."""
-    return None if setting == "off" else setting
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, dtype=dtype, rngs=rngs)
-
-    def fused_attention(self, dtype, k_cache, block: Block, kernels: KernelConfig) -> str | None:
-        """'pallas' / 'interpret' when this step takes the fused RoPE + cache write + attention
-        kernel, else None."""
-        mode = _mode(kernels.fused_attention)
-        if mode is None or not block.appended:
-            return None
-        cfg = self.cfg
-        b, t = block.positions.shape
-        heads = cfg.num_heads + 2 * cfg.num_kv_heads
-        qkv = jax.ShapeDtypeStruct((b, t, heads, cfg.head_dim), dtype)
-        why = rope_attention.unsupported_reason(qkv, cfg.num_heads, k_cache, block.block_mask)
-        return mode if why is None else None
-
-    def __call__(self, x, cos, sin, k_cache, v_cache, length, block: Block, kernels):
-        """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
-        ``x``'s layout)."""
-        b, t = cos.shape[:2]
-        rows = kernels.gemm_rows
-        q, k, v = self.q_proj(x, rows), self.k_proj(x, rows), self.v_proj(x, rows)
-        if self.fused_attention(q.dtype, k_cache, block, kernels) is not None:
-            # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
-            qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
-        else:  # kept apart: under tensor parallelism a concatenate of sharded heads reshards
-            qkv = tuple(tokens_of(y, b, t, -1, self.cfg.head_dim) for y in (q, k, v))
-        out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block, kernels)
-        return self.o_proj(rows_like(out, x), rows), k_cache, v_cache
-
-    def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block, kernels, splits=False):
-        """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
-        (or their float32 partial sums ``[P, b, t, H + 2 KH, hd]``, or the tuple ``(q, k, v)``
-        for the plain path): ``(out [b, t, H, hd], k_cache, v_cache)``. With ``splits``, where
-        the fused attention kernel runs, ``out`` is its unmerged ``rope_attention.Splits`` (for
-        ``fused_linear.combine_project``)."""
-        cfg = self.cfg
-        if isinstance(qkv, tuple):
-            q, k, v = qkv
-        else:
-            dtype = k_cache.dtype if qkv.ndim == 5 else qkv.dtype
-            mode = self.fused_attention(dtype, k_cache, block, kernels)
-            if mode is not None:
-                fn = (
-                    rope_attention.rope_attention_splits
-                    if splits
-                    else rope_attention.rope_attention
-                )
-                return fn(
-                    qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
-                    num_heads=cfg.num_heads, interpret=mode == "interpret",
-                    tile=kernels.attention_tile,
-                )  # fmt: skip
-            q, k, v = rope_attention.split_heads(
-                rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
-            )
-        k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
-        v_cache = write(v_cache, v, block.slots)
-        q = apply_rope(q, cos, sin)
-        out = dispatch.attention(
-            q, k_cache, v_cache, length, block.block_mask, impl=kernels.attention,
-            tile=kernels.attention_tile,
-        )  # fmt: skip
-        return out, k_cache, v_cache
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, rows: int):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+from pallas_kernels import fused_linear, rope_attention
 
 
 class DecoderLayer(nnx.Module):
@@ -194,7 +50,7 @@ class DecoderLayer(nnx.Module):
 
     def fused_mode(self, x, kernels: KernelConfig) -> str | None:
         """The split-K projection kernels' mode for this step (None: the plain path)."""
-        mode = _mode(kernels.fused_linear)
+        mode = mode_of(kernels.fused_linear)
         if mode is None:
             return None
         attn, mlp = self.self_attn, self.mlp
@@ -251,7 +107,7 @@ class DecoderLayer(nnx.Module):
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_tokens = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.embed_tokens = nnx.Param(init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (

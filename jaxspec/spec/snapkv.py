@@ -32,7 +32,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.model.kv_cache import KVCache, causal_block
-from jaxspec.model.transformer import Net, rope_tables
+from jaxspec.model.layers import rope_tables
+from jaxspec.model.transformer import Net
 from pallas_kernels.reference import apply_rope
 
 

@@ -1,0 +1,96 @@
+"""The transformer's building blocks: projections (with the GEMM row padding), RMSNorm, the
+MLP, RoPE tables, and the row layouts of a padded residual stream."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Int
+
+from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.kernels import KernelConfig
+
+
+def tokens_of(y, b: int, t: int, *tail: int):
+    """``y`` (``[b, t, f]`` or padded rows ``[R, f]``) as ``[b, t, *tail]``: the real rows."""
+    return y.reshape(-1, y.shape[-1])[: b * t].reshape(b, t, *tail)
+
+
+def rows_like(y, like):
+    """``y [b, t, ...]`` in the layout of ``like``: ``[b, t, f]``, or ``like``'s padded rows."""
+    b, t = y.shape[:2]
+    if like.ndim == 3:
+        return y.reshape(b, t, -1)
+    return jnp.pad(y.reshape(b * t, -1), ((0, like.shape[0] - b * t), (0, 0)))
+
+
+def stream_rows(n: int, kernels: KernelConfig) -> int | None:
+    """The padded row count of a residual stream of ``n`` rows (None: not padded)."""
+    want = kernels.gemm_rows
+    if kernels.row_padding == "gemm" or n >= want:
+        return None
+    return want
+
+
+def init_param(rngs: nnx.Rngs, shape, dtype, scale=0.02):
+    return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def matmul(x, w, rows: int, out_dtype=None):
+    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, inputs of fewer than ``rows`` rows
+    padded to that many (``KernelConfig.gemm_rows``); ``out_dtype`` asks for that result type
+    (accumulation at least as precise)."""
+    mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
+    n = x.size // x.shape[-1]
+    if n >= rows:
+        return mm(x, w)
+    flat = jnp.pad(x.reshape(n, x.shape[-1]), ((0, rows - n), (0, 0)))
+    return mm(flat, w)[:n].reshape(*x.shape[:-1], w.shape[-1])
+
+
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(init_param(rngs, (din, dout), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x, rows: int):
+        y = matmul(x, self.kernel[...], rows)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        # As HF: normalise in float32, cast back, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: Int[Array, "b t"]):
+    """cos, sin ``[B, T, hd/2]`` in float32 (the same float32 arithmetic HF uses)."""
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def mode_of(setting: str) -> str | None:
+    """A resolved fused-kernel setting as the kernels' mode: 'pallas' / 'interpret' / None."""
+    return None if setting == "off" else setting
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, rows: int):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
