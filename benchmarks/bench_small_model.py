@@ -63,7 +63,9 @@ def timed(model, ids, new, repeats, **kw) -> dict:
     return {
         "wall_tok_per_s": round(n / statistics.median(walls), 1),
         "engine_tok_per_s": round(n / statistics.median(engines), 1),
-        "outside_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, engines)), 3),
+        "outside_ms": round(
+            1e3 * statistics.median(w - e for w, e in zip(walls, engines, strict=True)), 3
+        ),
         "acceptance_length": round(last.stats["acceptance_length"], 3),
         "tokens": last.tokens[0],
     }

@@ -91,6 +91,11 @@ class KernelConfig:
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
+    invariant:       every reduction exact (``model/exact.py``): a row's result independent of
+                     what else its step computes, so speculative output equals autoregressive
+                     output bit for bit, in bf16 too. Several times slower; the fused kernels
+                     and the attention kernels are off. Applies to the target (drafts keep
+                     theirs: they change how many tokens are accepted, never which).
     """
 
     attention: str = "auto"
@@ -103,6 +108,7 @@ class KernelConfig:
     row_padding: str = "auto"
     prefill_chunk: int | None = None
     loop_chunk: int | None = None
+    invariant: bool = False
     resolved: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
@@ -144,6 +150,8 @@ class KernelConfig:
                 f"KernelConfig.prefill_chunk must be a multiple of 16 (16, 32, ..., 2048), got "
                 f"{self.prefill_chunk!r}."
             )
+        if not isinstance(self.invariant, bool):
+            raise OptionError(f"KernelConfig.invariant must be True or False: {self.invariant!r}.")
         if self.loop_chunk is not None and not (
             _int(self.loop_chunk) and 1 <= self.loop_chunk <= 64
         ):
@@ -179,6 +187,9 @@ class KernelConfig:
                 f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
                 "'interpret', 'reference' or 'auto' here."
             )
+        if fill["invariant"]:  # exact reductions in jnp: no kernel has them (model/exact.py)
+            fill.update(fused_attention="off", fused_linear="off", fused_commit="off")
+            fill.update(attention="reference", gemm_rows=0)
         if fill["fused_linear"] != "off" and _linear_unfit(cfg, fill["linear_tile"]):
             fill["fused_linear"] = "off"
         if fill["fused_linear"] != "off" and fill["linear_tile"] is None:
@@ -218,6 +229,12 @@ class KernelConfig:
                 )
                 _checked("/".join(names), **{field: kw[field]})
         return cls(**kw)
+
+    def compiler_options(self) -> dict:
+        """XLA options a program with these kernels is compiled with. Invariant numerics forbid
+        excess precision: by default XLA may skip the rounding of a bf16 intermediate inside a
+        fusion, so a value's bits would depend on how its program was fused."""
+        return {"xla_allow_excess_precision": False} if self.invariant else {}
 
     def describe(self) -> dict:
         """The settings as a plain dict (benchmarks record it beside their figures)."""

@@ -31,7 +31,7 @@ SPARSE = ("streaming", "snapkv", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
-class Options(base.DraftOptions):
+class Options(base.SparseOptions):
     """``gamma`` (an int, or "auto": the cost model picks from ``GAMMAS``); ``shape`` ("auto",
     "chain", "tree"; None: "chain" when gamma is fixed, "tree" when a tree option is given, else
     "auto"); the tree options (None: ``tree.TreeShape``'s defaults); ``sparse``: a draft
@@ -75,8 +75,10 @@ class Options(base.DraftOptions):
     @property
     def tree_shape(self) -> tree.TreeShape:
         d = tree.TreeShape()
+        given = (getattr(self, k) for k in ("depth", "width", "branch", "bs"))
+        defaults = (d.depth, d.width, d.branch, d.bs)
         return tree.TreeShape(
-            *(getattr(self, k) or getattr(d, k) for k in ("depth", "width", "branch", "bs"))
+            *(v if v is not None else g for v, g in zip(given, defaults, strict=True))
         )
 
     @property

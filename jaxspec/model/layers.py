@@ -12,6 +12,7 @@ from jaxtyping import Array, Int
 
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
 
 
 def tokens_of(y, b: int, t: int, *tail: int):
@@ -56,8 +57,11 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init_param(rngs, (din, dout), dtype))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
-    def __call__(self, x, rows: int):
-        y = matmul(x, self.kernel[...], rows)
+    def __call__(self, x, kernels: KernelConfig):
+        if kernels.invariant:
+            y = exact.exact_dot(x, self.kernel[...]).astype(x.dtype)
+        else:
+            y = matmul(x, self.kernel[...], kernels.gemm_rows)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -66,8 +70,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: KernelConfig):
         # As HF: normalise in float32, cast back, then scale.
+        if kernels.invariant:
+            return self.weight[...] * exact.exact_rms(x, self.eps).astype(x.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
@@ -92,5 +98,6 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, rows: int):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+    def __call__(self, x, kernels: KernelConfig):
+        h = jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels)
+        return self.down_proj(h, kernels)

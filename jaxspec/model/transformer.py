@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
 from jaxspec.model.attention import Attention
 from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
 from jaxspec.model.layers import (
@@ -61,10 +62,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels):
         h, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, length, block, kernels
+            self.input_layernorm(x, kernels), cos, sin, k_cache, v_cache, length, block, kernels
         )
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), kernels.gemm_rows)
+        x = x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
         return x, k_cache, v_cache
 
     def fused(self, x, pending, cos, sin, k_cache, v_cache, length, block, kernels, mode: str):
@@ -152,11 +153,14 @@ class Transformer(nnx.Module):
         x = tokens_of(x, b, t, -1)
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
-        x = self.norm(x)
+        x = self.norm(x, kernels)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
         # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
         # ties common (greedy then depends on the kernel's tie order; seen on the H200)
-        logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
+        if kernels.invariant:
+            logits = exact.exact_dot(x, head)
+        else:
+            logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
         return logits, KVCache(k=ks, v=vs, length=cache.length)
 
 
@@ -270,7 +274,8 @@ class Model:
         leaves: an NNX State costs milliseconds to flatten at every call)."""
         got = self._cache.get("weights")
         if got is None or got[0] is not self.params:
-            self._cache.clear()
+            if got is not None:  # new parameter arrays: what was derived from the old goes
+                self._cache.clear()
             got = self._cache["weights"] = (self.params, weights_of(self.params))
         return got[1]
 
@@ -301,12 +306,18 @@ class Model:
         if tokens.ndim == 1:
             tokens = tokens[None]
         check_token_ids(tokens, self.config)
-        return _full_logits(self.net(), self.flat, tokens)
+        return _full_logits(self, self.net(), tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _full_logits(net: Net, flat, tokens):
-    return full_logits(net, flat, tokens)
+def _full_logits(model: Model, net: Net, tokens):
+    """``full_logits`` compiled once per (net, shape), kept with the model."""
+    key = ("logits", net, tokens.shape)
+    exe = model._cache.get(key)
+    if exe is None:
+        lowered = jax.jit(full_logits, static_argnums=0).lower(net, model.flat, tokens)
+        exe = lowered.compile(compiler_options=net.kernels.compiler_options())
+        model._cache[key] = exe
+    return exe(model.flat, tokens)
 
 
 def full_logits(net: Net, flat, tokens):

@@ -297,6 +297,7 @@ def resolve(
         )
     if sparse not in (None, "streaming", "snapkv"):
         raise OptionError(f"sparse must be 'streaming' or 'snapkv', got {sparse!r}.")
+    kernels = _draft_kernels(kernels, draft if isinstance(draft, Model) else target)
     if isinstance(draft, Model):
         check_compatible(target, draft)
         sp = None
@@ -320,6 +321,13 @@ def resolve(
         f"unknown draft {draft!r}: pass a jaxspec.Model or one of "
         f"{', '.join(repr(k) for k in DRAFT_KINDS)}."
     )
+
+
+def _draft_kernels(kernels: KernelConfig | None, model: Model) -> KernelConfig:
+    """The draft's kernels: the call's (else its model's), without ``invariant``: exact numerics
+    matter for the target's tokens only; a draft changes how many are accepted, never which."""
+    k = kernels or model.kernels or KernelConfig()
+    return dataclasses.replace(k, invariant=False) if k.invariant else k
 
 
 def check_compatible(target: Model, draft: Model) -> None:

@@ -202,9 +202,12 @@ class SwiftSpec(base.Engine):
             target=pt.net(kernels, sharded=len(tdev) > 1), draft=td, shape=shape, req=req,
             capacity=req.width + req.max_new + shape.capacity + 2, d=d, refill=options.refill,
         )  # fmt: skip
-        ids = np.zeros((req.batch, req.width), np.int32)
-        lens = np.ones((req.batch,), np.int32)
-        wp = workers.with_layouts(wp, pt.flat, pd.flat, ids, lens)
+        key = ("swiftspec-layouts", wp, pd.layout)  # tracing the workers' shapes costs ~20 ms
+        if key not in pt._cache:
+            ids = np.zeros((req.batch, req.width), np.int32)
+            lens = np.ones((req.batch,), np.int32)
+            pt._cache[key] = workers.with_layouts(wp, pt.flat, pd.flat, ids, lens)
+        wp = pt._cache[key]
         loop = options.loop
         if loop == "device" and (len(tdev), len(ddev)) != (1, 1):
             raise OptionError(
