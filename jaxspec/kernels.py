@@ -232,9 +232,17 @@ class KernelConfig:
 
     def compiler_options(self) -> dict:
         """XLA options a program with these kernels is compiled with. Invariant numerics forbid
-        excess precision: by default XLA may skip the rounding of a bf16 intermediate inside a
-        fusion, so a value's bits would depend on how its program was fused."""
-        return {"xla_allow_excess_precision": False} if self.invariant else {}
+        excess precision (XLA may otherwise skip the rounding of a bf16 intermediate inside a
+        fusion, so a value's bits would depend on how its program was fused) and, on a GPU, GEMM
+        autotuning (another process could time another kernel faster for the same shape) and
+        nondeterministic ops."""
+        if not self.invariant:
+            return {}
+        return {
+            "xla_allow_excess_precision": False,
+            "xla_gpu_autotune_level": 0,
+            "xla_gpu_deterministic_ops": True,
+        }
 
     def describe(self) -> dict:
         """The settings as a plain dict (benchmarks record it beside their figures)."""

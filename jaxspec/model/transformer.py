@@ -158,7 +158,7 @@ class Transformer(nnx.Module):
         # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
         # ties common (greedy then depends on the kernel's tie order; seen on the H200)
         if kernels.invariant:
-            logits = exact.exact_dot(x, head)
+            logits = exact.tiled_matmul(x, head, jnp.float32)
         else:
             logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
         return logits, KVCache(k=ks, v=vs, length=cache.length)
