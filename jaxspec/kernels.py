@@ -40,6 +40,7 @@ DEFAULTS = {
         fused_attention="off",
         fused_linear="off",
         fused_commit="off",
+        linear_rows=16,  # every row count the kernels take (the tests run them interpreted)
         gemm_rows=0,  # XLA's CPU GEMMs gain nothing from padded rows
         row_padding="stream",
         prefill_chunk=256,
@@ -57,6 +58,10 @@ DEFAULTS = {
         # 0.731, 64 x 64 1.007. Layers of 1B and up keep the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
         linear_tile=(64, 128, 4),
+        # ...for one-row steps only: with 5 rows (a gamma-4 chain verify) the kernels' tensor-core
+        # path made the verify 1.65 ms against a 0.60 ms decode step (verify.json, 2026-12-02),
+        # where the plain path verifies 9 rows in 0.85 ms (small_model_trees_s9)
+        linear_rows=1,
         fused_commit="pallas",  # one kernel for a tree verify's K/V moves in every cache
         # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
         # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
@@ -86,6 +91,7 @@ class KernelConfig:
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
     linear_tile:     (BN, BK, warps) of those kernels.
+    linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
     gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
@@ -103,6 +109,7 @@ class KernelConfig:
     fused_attention: str = "auto"
     fused_linear: str = "auto"
     linear_tile: tuple[int, int, int] | None = None
+    linear_rows: int | None = None
     fused_commit: str = "auto"
     gemm_rows: int | None = None
     row_padding: str = "auto"
@@ -139,6 +146,12 @@ class KernelConfig:
             for what, v in (("num_stages", stages), ("min_split", split)):
                 if v is not None and not _positive(v):
                     raise OptionError(f"attention_tile's {what} must be positive, got {v!r}.")
+        if self.linear_rows is not None and not (
+            _int(self.linear_rows) and 1 <= self.linear_rows <= 16
+        ):
+            raise OptionError(
+                f"KernelConfig.linear_rows must be an integer from 1 to 16: {self.linear_rows!r}."
+            )
         if self.gemm_rows is not None and (not _int(self.gemm_rows) or self.gemm_rows < 0):
             raise OptionError(
                 f"KernelConfig.gemm_rows must be an integer >= 0: {self.gemm_rows!r}."

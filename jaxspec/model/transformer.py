@@ -58,6 +58,8 @@ class DecoderLayer(nnx.Module):
         weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
         weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
         rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > kernels.linear_rows:
+            return None
         return mode if fused_linear.unsupported_reason(rows, *weights) is None else None
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels):
