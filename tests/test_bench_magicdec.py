@@ -33,7 +33,7 @@ def test_bench_magicdec_tiny(tmp_path):
     ckpt = jaxspec.convert(src, tmp_path / "m", dtype="float32", progress=False)
     out = tmp_path / "md.json"
     argv = ["--model", str(ckpt), "--prefixes", "40,70", "--batches", "2", "--new", "6"]
-    argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1", "--threads", "2"]
+    argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1"]
     argv += ["--tree", "2,2,2,3"]
     assert bench_magicdec.main([*argv, "--out", str(out)]) == 0
     r = json.loads(out.read_text())
