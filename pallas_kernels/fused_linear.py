@@ -213,24 +213,6 @@ def _project(prologue, weights, widths, o_ref, *, k0, kdim: int, m: int, bn: int
         first, out0 = first + tiles, out0 + n
 
 
-def _store_cols(ref, rows: int, m: int, cols, limit: int, value, when):
-    """``ref[:rows, cols] = value`` where ``when``, for rows below ``m`` and columns below
-    ``limit``."""
-    r = jnp.arange(rows)
-    if isinstance(cols, tuple):
-        c = cols[0] + jnp.arange(cols[1])
-        idx = (pl.ds(0, rows), pl.ds(cols[0], cols[1]))
-    else:
-        c = cols
-        shape = (rows, cols.shape[0])
-        idx = (
-            jnp.broadcast_to(r[:, None], shape),
-            jnp.broadcast_to(jnp.where(c < limit, c, 0), shape),
-        )
-    live = (r < m)[:, None] & (c < limit)[None, :]
-    plgpu.store(ref.at[idx], value, mask=live & when)
-
-
 def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
     x_ref, *rest = refs
     p_ref = rest.pop(0) if parts else None
@@ -241,31 +223,37 @@ def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
     # the interpreter substitutes them at the kernel's top level only)
     writer = pl.program_id(0) == 0
 
+    def g_of(cols):  # the norm weight at the columns ``cols``: [1, width] float32
+        if isinstance(cols, tuple):
+            ok = (cols[0] + jnp.arange(cols[1])) < k
+            g = plgpu.load(g_ref.at[pl.ds(*cols)], mask=ok, other=0.0)
+        else:
+            ok = cols < k
+            g = plgpu.load(g_ref.at[jnp.where(ok, cols, 0)], mask=ok, other=0.0)
+        return g.astype(jnp.float32)[None, :]
+
     def settled(cols):  # x + round(sum(pending)) over the columns ``cols``
         x = load_cols(x_ref, rows, m, cols, k)
         return x if not parts else _round(x + _summed(p_ref, parts, rows, m, cols, k, dt), dt)
+
+    def store(x):  # the settled residual of this split's columns, by one column tile
+        live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
+        plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=live & writer)
 
     def prologue(*cols):
         full = settled((0, _pow2(k)))  # the whole row, for the norm's sum of squares
         inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
         out = []
         for cs in cols:
-            x = settled(cs)  # this split's columns (the same arithmetic, so the same values)
-            g = _load_vec(g_ref, cs, k)
-            _store_cols(xo_ref, rows, m, cs, k, x.astype(dt), writer)
-            out.append(_round(g[None, :] * _round(x * inv, dt), dt))
+            x = settled(cs)  # these columns (the same arithmetic, so the same values)
+            if isinstance(cs, tuple):  # the split's columns in order: (k0, bk)
+                store(x)
+            out.append(_round(g_of(cs) * _round(x * inv, dt), dt))
+        if not any(isinstance(cs, tuple) for cs in cols):  # a 4-bit weight's rows, reordered
+            store(settled((k0, bk)))
         return out
 
     _project(prologue, weights, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows, dt=dt)
-
-
-def _load_vec(ref, cols, limit: int):
-    """``ref[cols]`` of a 1-D ref in float32 (zero past ``limit``)."""
-    if isinstance(cols, tuple):
-        ok = (cols[0] + jnp.arange(cols[1])) < limit
-        return plgpu.load(ref.at[pl.ds(*cols)], mask=ok, other=0.0).astype(jnp.float32)
-    ok = cols < limit
-    return plgpu.load(ref.at[jnp.where(ok, cols, 0)], mask=ok, other=0.0).astype(jnp.float32)
 
 
 def _plain_kernel(a_ref, *refs, specs, widths, m, k, bn, bk, rows, dt):

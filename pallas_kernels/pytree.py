@@ -28,12 +28,18 @@ def pytree_dataclass(cls):
         return tuple(getattr(x, n) for n in data), tuple(getattr(x, n) for n in meta)
 
     def unflatten(aux, children):
-        obj = object.__new__(cls)
-        for n, v in zip(data, children, strict=True):
-            object.__setattr__(obj, n, v)
-        for n, v in zip(meta, aux, strict=True):
-            object.__setattr__(obj, n, v)
-        return obj
+        return build(
+            cls, **dict(zip(data, children, strict=True)), **dict(zip(meta, aux, strict=True))
+        )
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
+
+
+def build(cls, **fields):
+    """An instance of the pytree dataclass ``cls`` with these fields, built without ``__init__``
+    (its checks): for placeholders such as ``jax.ShapeDtypeStruct`` leaves."""
+    obj = object.__new__(cls)
+    for n, v in fields.items():
+        object.__setattr__(obj, n, v)
+    return obj

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Shaped
 
-from pallas_kernels.pytree import pytree_dataclass
+from pallas_kernels.pytree import build, pytree_dataclass
 
 BITS = (4, 8)
 OFFSET4 = 8  # the zero code of symmetric 4-bit weights (GGUF Q4_0's ``q - 8``)
@@ -77,6 +77,24 @@ class QuantizedWeight:
     def astype(self, dtype) -> QuantizedWeight:
         """The same codes and scales dequantizing to another compute dtype."""
         return dataclasses.replace(self, dtype=jnp.dtype(dtype).name)
+
+    @classmethod
+    def abstract(cls, bits, group, dtype, k, n, scales, mins=None, sharding=None):
+        """A placeholder of ``jax.ShapeDtypeStruct`` leaves (a restore template): a ``[k, n]``
+        matrix with ``scales`` (and ``mins``, None: none) of those dtypes, each leaf with
+        ``sharding`` (a ``QuantizedWeight`` of shardings, or None)."""
+        codes = (k, n) if bits == 8 else (k // 2, n)
+        shapes = dict(
+            values=(codes, {8: jnp.int8, 4: jnp.uint8}[bits]), scales=((k // group, n), scales)
+        )
+        if mins is not None:
+            shapes["mins"] = ((k // group, n), mins)
+        leaves = {
+            name: jax.ShapeDtypeStruct(shape, dt, sharding=getattr(sharding, name, None))
+            for name, (shape, dt) in shapes.items()
+        }
+        leaves.setdefault("mins", None)
+        return build(cls, **leaves, bits=bits, group=group, dtype=jnp.dtype(dtype).name)
 
 
 def group_problem(bits: int, group: int, k: int) -> str | None:

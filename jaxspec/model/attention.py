@@ -43,15 +43,14 @@ class Attention(nnx.Module):
         """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
         ``x``'s layout)."""
         b, t = cos.shape[:2]
-        rows = kernels.gemm_rows
-        q, k, v = self.q_proj(x, rows), self.k_proj(x, rows), self.v_proj(x, rows)
+        q, k, v = self.q_proj(x, kernels), self.k_proj(x, kernels), self.v_proj(x, kernels)
         if self.fused_attention(q.dtype, k_cache, block, kernels) is not None:
             # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
             qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
         else:  # kept apart: under tensor parallelism a concatenate of sharded heads reshards
             qkv = tuple(tokens_of(y, b, t, -1, self.cfg.head_dim) for y in (q, k, v))
         out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block, kernels)
-        return self.o_proj(rows_like(out, x), rows), k_cache, v_cache
+        return self.o_proj(rows_like(out, x), kernels), k_cache, v_cache
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block, kernels, splits=False):
         """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
