@@ -106,7 +106,7 @@ def emit(o: Out, new: Int[Array, "b w"], n_new: Int[Array, " b"], eos) -> Out:
 def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int):
     """The shared beginning of every engine: the target's cache (``capacity`` slots), its
     prefill, the first token drawn and the output holding it. Returns (cache, token, out, key)."""
-    cache = init_cache(net.cfg, ids.shape[0], capacity, tflat[0].dtype)
+    cache = init_cache(net.cfg, ids.shape[0], capacity, net.dtype)
     logits, cache = prefill(net, tflat, cache, ids, lens)
     key, sub = jax.random.split(key)
     tok = sample(sub, logits, req.sampling)

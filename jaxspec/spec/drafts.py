@@ -166,7 +166,7 @@ def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
         dense = pre.target_cache
     else:
         b, width = pre.ids.shape
-        cache = init_cache(draft.net.cfg, b, width, params[0].dtype)
+        cache = init_cache(draft.net.cfg, b, width, draft.net.dtype)
         _, dense = prefill(draft.net, params, cache, pre.ids, pre.lens)
     sp = draft.sparse
     if isinstance(sp, SnapKV):

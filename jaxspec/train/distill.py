@@ -356,7 +356,10 @@ def _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step, save_e
     shared = _shared_of(target)
     dgraph = abstract_model(dcfg, target.dtype)[0]
     dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), st.train), shared)
-    dnet = Net(dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate))
+    dnet = Net(
+        dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate),
+        jnp.dtype(target.dtype).name,
+    )  # fmt: skip
     static = dict(tnet=target.net(), dnet=dnet, recipe=Optim.of(recipe))
     measure = max(MIN_MEASURED_STEPS, recipe.warmup)
     tokens_per_step = recipe.batch * recipe.seq_len

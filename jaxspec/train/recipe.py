@@ -202,7 +202,7 @@ def losses(teacher_logits, draft_logits, ce_weight: float):
 def train_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dnet, recipe):
     """One optimizer step on ``tokens`` [B, T]: teacher forward, draft forward and backward."""
     teacher = jax.lax.stop_gradient(full_logits(tnet, tflat, tokens))
-    dtype = tflat[0].dtype
+    dtype = tnet.dtype
 
     def loss_fn(w):
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
