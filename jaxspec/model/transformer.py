@@ -41,6 +41,8 @@ from jaxspec.model.layers import (
 from jaxspec.prompts import check_token_ids
 from pallas_kernels import fused_linear, rope_attention
 
+FINAL = -1  # ``features`` index of the final norm's output: the LM head's input
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
@@ -124,9 +126,11 @@ class Transformer(nnx.Module):
         block: Block,
         select: Int[Array, "b l"] | None,
         kernels: KernelConfig,
-    ) -> tuple[Float[Array, "b l v"], KVCache]:
+        features: tuple[int, ...] | None = None,
+    ):
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
-        with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
+        with this block's K/V written. ``cache.length`` is unchanged: the caller commits. With
+        ``features`` (see ``apply``) also the hidden states they name at every block position."""
         b, t = tokens.shape
         x = self.embed_tokens[...][tokens]
         mode = self.layers[0].fused_mode(x, kernels)  # the split-K kernels take this step
@@ -134,23 +138,36 @@ class Transformer(nnx.Module):
         if rows is not None:  # the residual stream as padded rows [rows, d]
             x = jnp.pad(x.reshape(b * t, -1), ((0, rows - b * t), (0, 0)))
         cos, sin = rope_tables(self.cfg, block.positions)
-        ks, vs = [], []
+        ks, vs, taps = [], [], {}
         layers = zip(self.layers, cache.k, cache.v, strict=True)
         if mode is not None:  # the split-K projection kernels: rows [b * t, d] and partials
             x, pending = x.reshape(b * t, -1), None
-            for layer, kc, vc in layers:
+            for i, (layer, kc, vc) in enumerate(layers):
                 x, pending, kc, vc = layer.fused(
                     x, pending, cos, sin, kc, vc, cache.length, block, kernels, mode
                 )
                 ks.append(kc)
                 vs.append(vc)
+                if features is not None and i in features:
+                    taps[i] = fused_linear.settle(x, pending)
             x = fused_linear.settle(x, pending)
         else:
-            for layer, kc, vc in layers:
+            for i, (layer, kc, vc) in enumerate(layers):
                 x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels)
                 ks.append(kc)
                 vs.append(vc)
+                if features is not None and i in features:
+                    taps[i] = x
         x = tokens_of(x, b, t, -1)
+        cache = KVCache(k=ks, v=vs, length=cache.length)
+        logits = self._logits(x, select, kernels)
+        if features is None:
+            return logits, cache
+        taps = {i: tokens_of(y, b, t, -1) for i, y in taps.items()}
+        taps[FINAL] = self.norm(x, kernels)  # what the LM head reads, at every position
+        return logits, cache, jnp.concatenate([taps[i] for i in features], axis=-1)
+
+    def _logits(self, x, select, kernels: KernelConfig) -> Float[Array, "b l v"]:
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x, kernels)
@@ -158,10 +175,8 @@ class Transformer(nnx.Module):
         # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
         # ties common (greedy then depends on the kernel's tie order; seen on the H200)
         if kernels.invariant:
-            logits = exact.exact_dot(x, head)
-        else:
-            logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
-        return logits, KVCache(k=ks, v=vs, length=cache.length)
+            return exact.exact_dot(x, head)
+        return matmul(x, head, kernels.gemm_rows, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -201,11 +216,19 @@ class Net:
         return Net(self.graphdef, self.cfg, kernels, self.treedef)
 
 
-def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None):
+def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, features=None):
     """Pure forward of the model ``net`` describes, on its flat parameter leaves ``flat``
-    (merged at trace time). Call inside a jit."""
+    (merged at trace time). Call inside a jit. Returns ``(logits, cache)``.
+
+    ``features`` (static): a tuple of layer indices whose hidden states a feature draft reads;
+    then the call returns ``(logits, cache, feats [b, t, len(features) * d])``, the states at
+    every block position concatenated in that order: index i >= 0 is the residual stream after
+    decoder layer i, ``FINAL`` (-1) the final norm's output (what the LM head reads). Only a
+    call that asks traces them; the logits are computed the same way either way."""
     module = nnx.merge(net.graphdef, net.params(flat))
-    return module(tokens, cache, block, select, net.kernels)
+    if features is None:
+        return module(tokens, cache, block, select, net.kernels)
+    return module(tokens, cache, block, select, net.kernels, tuple(features))
 
 
 def embed(net: Net, flat, tokens):
@@ -252,9 +275,11 @@ def weights_of(params) -> Weights:
 
 
 @dataclasses.dataclass(eq=False)
-class Model:
-    """A loaded model: static config, NNX graphdef, parameter state, optional tokenizer, and the
-    ``KernelConfig`` it runs with unless a call names another (None: the defaults)."""
+class Network:
+    """A loaded network: static config, NNX graphdef, parameter state, optional tokenizer, and
+    the ``KernelConfig`` it runs with unless a call names another (None: the defaults); its
+    flat weights and ``Net``s, derived once. A ``Model`` (a decoder that runs on its own) or a
+    feature draft's head (``model.feature_head.FeatureModel``, which reads a target's states)."""
 
     config: ModelConfig
     graphdef: nnx.GraphDef
@@ -300,6 +325,12 @@ class Model:
             net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef)
         return net
 
+
+@dataclasses.dataclass(eq=False)
+class Model(Network):
+    """A decoder-only language model (``Transformer``): what ``generate`` takes as the target
+    and as a draft."""
+
     def logits(self, tokens) -> Float[Array, "b t v"]:
         """Full causal forward without a persistent cache: ``[B, T]`` ids -> ``[B, T, V]``."""
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -320,16 +351,22 @@ def _full_logits(model: Model, net: Net, tokens):
     return exe(model.flat, tokens)
 
 
-def full_logits(net: Net, flat, tokens):
+def full_logits(net: Net, flat, tokens, features=None):
     """Full causal forward ``[B, T]`` -> float32 logits ``[B, T, V]`` with a throwaway cache (the
-    same call every engine makes); a pure function to use inside a jit."""
+    same call every engine makes); a pure function to use inside a jit. With ``features``
+    (``apply``'s), ``(logits, states [B, T, f])``."""
     b, t = tokens.shape
-    dtype = flat[0].dtype
-    cache = init_cache(net.cfg, b, t, dtype)
+    cache, block = whole_block(net.cfg, b, t, flat[0].dtype)
+    logits, _, *feats = apply(net, flat, tokens, cache, block, None, features)
+    return logits if features is None else (logits, feats[0])
+
+
+def whole_block(cfg: ModelConfig, b: int, t: int, dtype) -> tuple[KVCache, Block]:
+    """A throwaway cache of ``t`` slots and the causal block of ``t`` tokens from position 0:
+    a whole sequence in one forward."""
     zeros = jnp.zeros((b,), jnp.int32)
     block = causal_block(zeros, zeros, jnp.full((b,), t, jnp.int32), t)
-    logits, _ = apply(net, flat, tokens, cache, block)
-    return logits
+    return init_cache(cfg, b, t, dtype), block
 
 
 def param_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
