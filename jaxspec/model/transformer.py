@@ -153,10 +153,11 @@ class Transformer(nnx.Module):
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x)
-        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        tied = self.lm_head is None
+        head = self.embed_tokens[...] if tied else self.lm_head.kernel[...]
         # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
         # ties common (greedy then depends on the kernel's tie order; seen on the H200)
-        logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
+        logits = matmul(x, head, kernels.gemm_rows, jnp.float32, w_out_in=tied)
         return logits, KVCache(k=ks, v=vs, length=cache.length)
 
 
