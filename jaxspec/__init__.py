@@ -4,7 +4,7 @@ The path of a request: ``convert`` (HF folder or .gguf -> Orbax) -> ``load`` -> 
 ``generate(target, prompts, draft=..., method=...)`` -> the engine's loop -> ``GenerationResult``.
 """
 
-from jaxspec.api import GenerationResult, generate
+from jaxspec.api import GenerationResult, Piece, Stream, generate, stream
 from jaxspec.config import ModelConfig
 from jaxspec.engines import ENGINES
 from jaxspec.errors import (
@@ -32,11 +32,14 @@ __all__ = [
     "Model",
     "ModelConfig",
     "OptionError",
+    "Piece",
     "PromptError",
+    "Stream",
     "WorkerError",
     "convert",
     "generate",
     "load",
     "load_draft",
     "new_model",
+    "stream",
 ]

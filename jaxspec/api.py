@@ -52,6 +52,7 @@ class Call:
     seed: int
     draft_arg: Any = None  # the draft as the caller gave it
     chosen: dict | None = None  # what measure.tuning chose for open options, and from what
+    progress: Any = None  # progress(message) before a wait: a measurement, a compile
 
 
 def _number(name: str, value, *, integer: bool = False):
@@ -87,9 +88,12 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     seed=0,
     chat=False,
     kernels=None,
+    progress=None,
     **method_options,
 ) -> Call:
-    """Everything ``generate`` resolves before running: the engine, its program, the inputs."""
+    """Everything ``generate`` resolves before running: the engine, its program, the inputs.
+    ``progress(message)`` hears of each wait before it starts (a measurement of open options,
+    a compile); default: silent."""
     if not isinstance(target, Model):
         raise OptionError(
             f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
@@ -117,15 +121,26 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     )
     options = engine.Options.parse(method, method_options)
     chosen = None
+    if progress is not None and not callable(progress):
+        raise OptionError(f"progress must be a function of one message, got {progress!r}.")
     if engine.open_choices(options):
-        options, chosen = tuning.tune(engine, target, draft, options, padded, lens, req, kernels)
+        options, chosen = tuning.tune(
+            engine, target, draft, options, padded, lens, req, kernels, progress=progress
+        )
     prog, dweights = engine.program(target, draft, options, req, kernels)
-    return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen)
+    return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen, progress)
 
 
 def run(call: Call) -> GenerationResult:
     """Run a prepared call: tokens trimmed at EOS, text, stats."""
-    r = call.engine.run(call.prog, call.target, call.draft, call.ids, call.lens, call.seed)
+    r = call.engine.run(
+        call.prog, call.target, call.draft, call.ids, call.lens, call.seed, progress=call.progress
+    )
+    return result_of(call, r)
+
+
+def result_of(call: Call, r: base.Run) -> GenerationResult:
+    """The ``GenerationResult`` of a finished run."""
     tokens = trim(r.tokens, r.count)
     stats = r.stats
     stats.method = call.engine.name
@@ -153,6 +168,7 @@ def generate(
     seed=0,
     chat=False,
     kernels=None,
+    progress=None,
     **method_options,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt with ``method``.
@@ -162,29 +178,132 @@ def generate(
     draft: a ``Model`` (same vocabulary), or "self-streaming", "self-snapkv", "ngram".
     chat: wrap string prompts in the tokenizer's chat template as one user turn.
     kernels: the ``KernelConfig`` of this call (default: the model's own, else the defaults).
+    progress: ``progress(message)`` before each wait (measuring open options, compiling).
     Every speculative method returns exactly the target's greedy tokens at temperature 0 and
     samples from the target's distribution otherwise.
     """
     return run(
         prepare(
-            target,
-            prompts,
-            draft=draft,
-            method=method,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            chat=chat,
-            kernels=kernels,
-            **method_options,
-        )  # fmt: skip
-    )
+            target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+            kernels=kernels, progress=progress, **method_options,
+        )
+    )  # fmt: skip
+
+
+def stream(
+    target,
+    prompts,
+    *,
+    draft=None,
+    method="autoregressive",
+    max_new_tokens=64,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=0,
+    chat=False,
+    kernels=None,
+    progress=None,
+    segment_steps=None,
+    **method_options,
+) -> Stream:
+    """``generate``, as the tokens are accepted: iterate the returned ``Stream`` for ``Piece``s
+    (each prompt's new tokens and their text), then read ``stream.result``, the
+    ``GenerationResult`` ``generate`` would have returned. Same arguments, same engines, the
+    same tokens: the engine's on-device loop runs in segments of at most ``segment_steps``
+    iterations (default: ``engines.base.STREAM_STEPS`` of this backend), the next dispatched
+    before the host reads the last (``engines.base.segments``). SwiftSpec's loops yield once, at
+    the end. Joined, a prompt's pieces are exactly its ``result.tokens`` and ``result.text``."""
+    call = prepare(
+        target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+        kernels=kernels, progress=progress, **method_options,
+    )  # fmt: skip
+    return Stream(call, base.stream_steps(segment_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one prompt (``index`` into the prompts) gained since its last piece: ``tokens``
+    (new ids, possibly none when only held-back text is released) and ``text`` (their text;
+    None without a tokenizer)."""
+
+    index: int
+    tokens: list[int]
+    text: str | None
+
+
+class Stream:
+    """The pieces of a streamed call, in order; ``result`` once they are all read."""
+
+    def __init__(self, call: Call, steps: int):
+        self.call = call
+        self.result: GenerationResult | None = None
+        self._pieces = self._run(steps)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Piece:
+        return next(self._pieces)
+
+    def _run(self, steps: int):
+        c = self.call
+        runs = c.engine.stream(
+            c.prog, c.target, c.draft, c.ids, c.lens, c.seed, steps=steps, progress=c.progress
+        )
+        tok = c.target.tokenizer
+        rows = len(c.ids)
+        seen = [0] * rows
+        texts = [None if tok is None else IncrementalText(tok) for _ in range(rows)]
+        while True:
+            try:
+                tokens, count = next(runs)
+            except StopIteration as stop:
+                final = stop.value
+                break
+            for b in range(rows):
+                new = tokens[b, seen[b] : int(count[b])].tolist()
+                if new:
+                    seen[b] += len(new)
+                    text = None if tok is None else texts[b].add(tokens[b, : seen[b]].tolist())
+                    yield Piece(b, new, text)
+        self.result = result_of(c, final)
+        for b, t in enumerate(texts):  # the characters held back, now complete (or final)
+            rest = None if t is None else t.finish(self.result.text[b])
+            if rest:
+                yield Piece(b, [], rest)
+
+
+class IncrementalText:
+    """A prompt's text as its tokens arrive: each ``add`` returns the text not yet returned.
+    A trailing U+FFFD (a character whose bytes are split across tokens) is held back until the
+    rest arrives, and text is returned only while the decoding of the tokens so far extends
+    what was returned, so the pieces join to exactly the decoding of all the tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sent = tokenizer, ""
+
+    def add(self, ids: list[int]) -> str:
+        return self._extend(self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd"))
+
+    def finish(self, text: str) -> str:
+        """What is left of ``text``, the decoding of all the tokens."""
+        return self._extend(text)
+
+    def _extend(self, text: str) -> str:
+        if not text.startswith(self.sent):
+            return ""  # held: a later decoding settles it
+        new, self.sent = text[len(self.sent) :], text
+        return new
 
 
 def trim(out: np.ndarray, n: np.ndarray) -> list[list[int]]:
     return [row[: int(k)].tolist() for row, k in zip(np.asarray(out), np.asarray(n), strict=True)]
 
 
-__all__ = ["generate", "GenerationResult", "METHODS", "prepare", "run"]
+__all__ = [
+    "generate", "GenerationResult", "METHODS", "Piece", "prepare", "result_of", "run", "stream",
+    "Stream",
+]  # fmt: skip

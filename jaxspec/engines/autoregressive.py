@@ -90,12 +90,10 @@ class Autoregressive(base.Engine):
         chunk = net.kernels.loop_steps(base.AR_GPU_CHUNK)
         return Program(net, req, req.width + req.max_new, chunk), None
 
-    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
-        out, wall_s, compile_s = base.on_device(decode, prog, target.weights, None, ids, lens, seed)
-        stats = base.loop_stats(
+    def stats(self, prog, out, wall_s, compile_s) -> base.Stats:
+        return base.loop_stats(
             base.Stats, out, wall_s=wall_s, compile_s=compile_s, draft_per_step=0
         )
-        return base.Run(out.tokens, out.count, stats)
 
     def units(self, prog):
         return {"verify": base.Unit(_decode_unit, "one target decode step")}

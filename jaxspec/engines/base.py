@@ -114,9 +114,11 @@ def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int, features
     return cache, tok, first(tok, req), key, *feats
 
 
-def until_done(step, s, chunk: int):
+def until_done(step, s, chunk: int, limit=None):
     """``while not all(s.out.done): s = step(s)``, checking the condition every ``chunk``
-    iterations.
+    iterations; with ``limit`` (a traced int), at most that many iterations, rounded up to whole
+    chunks: one segment of a streamed loop (``segments``), which the next segment continues
+    exactly where this one stopped.
 
     On GPU a data-dependent ``lax.while_loop`` costs a device-to-host copy and a wait per
     iteration; a chunk pays it once per ``chunk`` steps. The steps a chunk runs after every row
@@ -124,17 +126,26 @@ def until_done(step, s, chunk: int):
     not counted in ``out.steps``.
     """
     if chunk == 1:
-        return jax.lax.while_loop(lambda s: ~jnp.all(s.out.done), step, s)
+        body = step
+    else:
 
-    def one(_, s):
-        active = ~jnp.all(s.out.done)
-        s = step(s)
-        s.out.steps = s.out.steps - 1 + active
-        return s
+        def one(_, s):
+            active = ~jnp.all(s.out.done)
+            s = step(s)
+            s.out.steps = s.out.steps - 1 + active
+            return s
 
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.out.done), lambda s: jax.lax.fori_loop(0, chunk, one, s), s
+        def body(s):
+            return jax.lax.fori_loop(0, chunk, one, s)
+
+    if limit is None:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.out.done), body, s)
+    s, _ = jax.lax.while_loop(
+        lambda c: ~jnp.all(c[0].out.done) & (c[1] < limit),
+        lambda c: (body(c[0]), c[1] + chunk),
+        (s, jnp.zeros((), jnp.int32)),
     )
+    return s
 
 
 # Loop iterations per check of the stop condition on a GPU: decode steps for autoregressive
@@ -318,8 +329,31 @@ class Engine:
     def program(self, target: Model, draft, options, req: Request, kernels) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def run(self, prog, target: Model, draft: Weights | None, ids, lens, seed: int) -> Run:
+    def stats(self, prog, out: Out, wall_s: float, compile_s: float) -> Stats:
+        """The typed stats of a finished on-device loop (``out`` as numpy)."""
         raise NotImplementedError
+
+    def run(
+        self, prog, target: Model, draft: Weights | None, ids, lens, seed: int, *, progress=None
+    ) -> Run:
+        """The whole loop (``decode``) as one program: compiled once, run, waited for.
+        ``progress(message)`` hears of a compile before it starts."""
+        out, wall_s, compile_s = on_device(
+            self.decode, prog, target.weights, draft, ids, lens, seed,
+            progress=progress, what=loop_name(self, prog),
+        )  # fmt: skip
+        return Run(out.tokens, out.count, self.stats(prog, out, wall_s, compile_s))
+
+    def stream(
+        self, prog, target: Model, draft, ids, lens, seed: int, *, steps: int, progress=None
+    ):
+        """``run``, as a generator: yields ``(tokens [B, max_new], count [B])`` (numpy) after the
+        prefill and after each segment of at most ``steps`` loop iterations (``segments``), and
+        returns the ``Run``. The tokens are exactly ``run``'s."""
+        out, wall_s, compile_s = yield from segments(
+            self, prog, target.weights, draft, ids, lens, seed, steps=steps, progress=progress
+        )
+        return Run(out.tokens, out.count, self.stats(prog, out, wall_s, compile_s))
 
     def units(self, prog) -> dict[str, Unit]:
         raise NotImplementedError
@@ -359,13 +393,16 @@ _COMPILE_LOCK = threading.Lock()
 MAX_PROGRAMS = 64
 
 
-def compiled(fn, static, args, key, *, donate: tuple[int, ...] = ()) -> tuple[Any, float]:
+def compiled(
+    fn, static, args, key, *, donate: tuple[int, ...] = (), progress=None, what: str = ""
+) -> tuple[Any, float]:
     """``fn(static, *args)`` compiled ahead of time, once per ``(fn, static, key)``, where
     ``key`` stands for the arguments' shapes, dtypes and layouts (the weights' part precomputed:
     ``Model.layout``); returns (executable, compile seconds: 0 when found). ``static`` is the
     hashable program (a jit static argument). Least recently used programs beyond
     ``MAX_PROGRAMS`` are dropped. ``donate``: positions in ``args`` whose buffers the program
-    may reuse (a state handed on)."""
+    may reuse (a state handed on). ``progress(message)``, when given, hears "compiling
+    ``what``" before a compile starts (seconds on a CPU; found programs say nothing)."""
     full = (fn, static, key, donate)
     # one compile at a time: SwiftSpec's two worker threads compile concurrently otherwise, and
     # the engines subtract the summed compile seconds from their wall time
@@ -374,6 +411,8 @@ def compiled(fn, static, args, key, *, donate: tuple[int, ...] = ()) -> tuple[An
         if exe is not None:
             _COMPILED.move_to_end(full)
             return exe, 0.0
+        if progress is not None:
+            progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
         with Timer() as t:
             donated = tuple(i + 1 for i in donate)
             jitted = jax.jit(fn, static_argnums=0, donate_argnums=donated)
@@ -412,13 +451,111 @@ def shapes_key(*arrays) -> tuple:
     return tuple((np.shape(a), np.result_type(a).name) for a in arrays)
 
 
-def on_device(fn, prog, target: Weights, draft: Weights | None, ids, lens, seed: int):
+def on_device(
+    fn, prog, target: Weights, draft: Weights | None, ids, lens, seed: int, *, progress=None,
+    what: str = "",
+):  # fmt: skip
     """Run the on-device program ``fn(prog, tflat, dflat, ids, lens, seed)``: compiled once,
     called, waited for. Returns (outputs as numpy, wall seconds, compile seconds)."""
     seed = np.uint32(seed)
     dflat = None if draft is None else draft.flat
-    key = (target.layout, None if draft is None else draft.layout, shapes_key(ids, lens, seed))
-    exe, compile_s = compiled(fn, prog, (target.flat, dflat, ids, lens, seed), key)
+    key = _run_key(target, draft, ids, lens, seed)
+    exe, compile_s = compiled(
+        fn, prog, (target.flat, dflat, ids, lens, seed), key, progress=progress, what=what
+    )
     with Timer() as t:
         out = jax.device_get(exe(target.flat, dflat, ids, lens, seed))
     return out, t.s, compile_s
+
+
+def _run_key(target: Weights, draft: Weights | None, *small) -> tuple:
+    return (target.layout, None if draft is None else draft.layout, shapes_key(*small))
+
+
+def loop_name(engine: Engine, prog) -> str:
+    """How a progress message names an engine's loop program."""
+    req = getattr(prog, "req", None)
+    if req is None:
+        return f"the {engine.name} loop"
+    return (
+        f"the {engine.name} loop (batch {req.batch}, prompts padded to {req.width} tokens, "
+        f"{req.max_new} new tokens)"
+    )
+
+
+# ---------------------------------------------------------------- streaming
+
+# Loop iterations per streamed segment (``segments``), by backend. A segment boundary costs the
+# device one loop exit and one more program launch (the next segment is already queued, so the
+# device never waits on the host) plus a copy of the small output; a GPU decode step of the
+# SmolLM2 shape takes ~0.8 ms (small_model.json: 1293 tok/s), so 32 iterations (~25 ms, ~40
+# updates a second) keep that cost far below the 5% allowed (benchmarks/bench_streaming.py
+# measures 4..64). A CPU step takes tens of milliseconds, so there every iteration is a segment.
+STREAM_STEPS = {"gpu": 32, "cpu": 1}
+
+
+def stream_steps(steps=None) -> int:
+    """Iterations per streamed segment: ``steps``, else this backend's ``STREAM_STEPS``."""
+    if steps is None:
+        return STREAM_STEPS["gpu" if jax.default_backend() == "gpu" else "cpu"]
+    return positive_int("segment_steps", steps)
+
+
+def _stream_init(static, tflat, dflat, ids, lens, seed):
+    engine, prog = static
+    s = engine.init(prog, tflat, dflat, ids, lens, seed)
+    return s, s.out
+
+
+def _stream_segment(static, tflat, dflat, s, limit):
+    engine, prog = static
+    s = until_done(lambda s: engine.step(prog, tflat, dflat, s), s, prog.chunk, limit)
+    return s, s.out  # the output twice: the state's is donated to the next segment
+
+
+def segments(
+    engine: Engine, prog, target: Weights, draft: Weights | None, ids, lens, seed: int, *,
+    steps: int, progress=None,
+):  # fmt: skip
+    """The engine's on-device loop (``init``, then ``step`` until done) in segments: a compiled
+    ``segment`` program runs at most ``steps`` iterations on the state, which it donates and
+    returns, and a copy of the output (``Out``, a few KB). The next segment is dispatched before
+    the host reads the previous one's output, so the device never waits on the host. Yields
+    ``(tokens, count)`` (numpy) after the prefill and after each segment; returns (the final
+    ``Out`` as numpy, wall seconds, compile seconds). The iterations are the whole loop's, split
+    at segment boundaries, so the tokens are exactly ``decode``'s."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    static, key = (engine, prog), _run_key(target, draft, ids, lens, seed)
+    what = loop_name(engine, prog)
+    first, compile_s = compiled(
+        _stream_init, static, (target.flat, dflat, ids, lens, seed), key, progress=progress,
+        what=f"the prefill of {what}",
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    s, snap = first(target.flat, dflat, ids, lens, seed)
+    limit = np.int32(steps)
+    # compiled while the prefill runs; its seconds are taken out of the wall below
+    seg, seg_compile_s = compiled(
+        _stream_segment, static, (target.flat, dflat, s, limit), key, donate=(2,),
+        progress=progress, what=f"a segment of {what}",
+    )  # fmt: skip
+    pending = collections.deque([_fetching(snap)])
+    s, snap = seg(target.flat, dflat, s, limit)
+    pending.append(_fetching(snap))
+    while True:
+        out = jax.device_get(pending.popleft())
+        if bool(out.done.all()):
+            wall_s = time.perf_counter() - t0 - seg_compile_s
+            yield out.tokens, out.count
+            return out, wall_s, compile_s + seg_compile_s
+        s, snap = seg(target.flat, dflat, s, limit)
+        pending.append(_fetching(snap))
+        yield out.tokens, out.count
+
+
+def _fetching(out: Out) -> Out:
+    """``out`` with its copy to the host started as soon as the device has it."""
+    for x in jax.tree.leaves(out):
+        x.copy_to_host_async()
+    return out

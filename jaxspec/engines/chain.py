@@ -157,15 +157,11 @@ class Chain(base.Engine):
         chunk = base.spec_chunk(net.kernels, req.batch)
         return Program(net, d, options.gamma, req, capacity, chunk), w
 
-    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
-        out, wall_s, compile_s = base.on_device(
-            decode, prog, target.weights, draft, ids, lens, seed
-        )
-        stats = base.loop_stats(
+    def stats(self, prog, out, wall_s, compile_s) -> base.SpecStats:
+        return base.loop_stats(
             base.SpecStats, out, wall_s=wall_s, compile_s=compile_s,
             draft_per_step=prog.gamma, gamma=prog.gamma,
         )  # fmt: skip
-        return base.Run(out.tokens, out.count, stats)
 
     def units(self, prog):
         kind = type(prog.draft).__name__

@@ -184,9 +184,18 @@ class MagicDec(base.Engine):
     def engine_of(self, prog) -> base.Engine:
         return tree.ENGINE if isinstance(prog, tree.Program) else chain.ENGINE
 
-    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
-        r = self.engine_of(prog).run(prog, target, draft, ids, lens, seed)
-        s = r.stats
+    def run(self, prog, target, draft, ids, lens, seed, *, progress=None) -> base.Run:
+        r = self.engine_of(prog).run(prog, target, draft, ids, lens, seed, progress=progress)
+        return base.Run(r.tokens, r.count, self._stats(prog, r.stats))
+
+    def stream(self, prog, target, draft, ids, lens, seed, *, steps, progress=None):
+        r = yield from self.engine_of(prog).stream(
+            prog, target, draft, ids, lens, seed, steps=steps, progress=progress
+        )
+        return base.Run(r.tokens, r.count, self._stats(prog, r.stats))
+
+    def _stats(self, prog, s: base.Stats) -> MagicDecStats:
+        """The chain's or tree's stats as MagicDec's (the budget; a chain's alpha)."""
         sp = prog.draft.sparse
         common = dict(
             wall_s=s.wall_s, compile_s=s.compile_s, target_steps=s.target_steps,
@@ -194,11 +203,9 @@ class MagicDec(base.Engine):
             budget=None if sp is None else sp.budget,
         )  # fmt: skip
         if isinstance(prog, tree.Program):
-            stats = MagicDecStats(shape="tree", tree=dataclasses.asdict(prog.shape), **common)
-        else:
-            alpha = alpha_from_acceptance_length(s.acceptance_length, prog.gamma)
-            stats = MagicDecStats(shape="chain", gamma=prog.gamma, alpha=alpha, **common)
-        return base.Run(r.tokens, r.count, stats)
+            return MagicDecStats(shape="tree", tree=dataclasses.asdict(prog.shape), **common)
+        alpha = alpha_from_acceptance_length(s.acceptance_length, prog.gamma)
+        return MagicDecStats(shape="chain", gamma=prog.gamma, alpha=alpha, **common)
 
     def units(self, prog):
         return self.engine_of(prog).units(prog)

@@ -204,11 +204,8 @@ class Tree(base.Engine):
         chunk = base.spec_chunk(net.kernels, req.batch)
         return Program(net, d, shape, req, capacity, chunk), w
 
-    def run(self, prog, target, draft, ids, lens, seed) -> base.Run:
-        out, wall_s, compile_s = base.on_device(
-            decode, prog, target.weights, draft, ids, lens, seed
-        )
-        return base.Run(out.tokens, out.count, tree_stats(prog, out, wall_s, compile_s))
+    def stats(self, prog, out, wall_s, compile_s) -> base.TreeStats:
+        return tree_stats(prog, out, wall_s, compile_s)
 
     def units(self, prog):
         sh, kind = prog.shape, type(prog.draft).__name__

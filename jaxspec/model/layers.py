@@ -3,8 +3,6 @@ weights), RMSNorm, the MLP, RoPE tables, and the row layouts of a padded residua
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,16 +40,26 @@ def init_param(rngs: nnx.Rngs, shape, dtype, scale=0.02):
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def matmul(x, w, rows: int, out_dtype=None):
-    """``x @ w`` for ``x [..., din]``, ``w [din, dout]``, inputs of fewer than ``rows`` rows
-    padded to that many (``KernelConfig.gemm_rows``); ``out_dtype`` asks for that result type
-    (accumulation at least as precise)."""
-    mm = functools.partial(jnp.matmul, preferred_element_type=out_dtype)
+def matmul(x, w, rows: int, out_dtype=None, *, w_out_in: bool = False):
+    """``x @ w`` for ``x [..., din]``, ``w [din, dout]`` (or ``x @ w.T`` for ``w [dout, din]``
+    with ``w_out_in``: a tied LM head reads the embedding ``[vocab, d]`` as it is stored), inputs
+    of fewer than ``rows`` rows padded to that many (``KernelConfig.gemm_rows``); ``out_dtype``
+    asks for that result type (accumulation at least as precise)."""
+
+    def mm(a):
+        if w_out_in:
+            # contracting the stored minor axis: ``x @ w.T`` made XLA's CPU backend copy the
+            # transposed 113 MB SmolLM2 embedding at every step (LM head 43 -> 7 ms, 2 cores)
+            dims = (((a.ndim - 1,), (1,)), ((), ()))
+            return jax.lax.dot_general(a, w, dims, preferred_element_type=out_dtype)
+        return jnp.matmul(a, w, preferred_element_type=out_dtype)
+
     n = x.size // x.shape[-1]
     if n >= rows:
-        return mm(x, w)
+        return mm(x)
     flat = jnp.pad(x.reshape(n, x.shape[-1]), ((0, rows - n), (0, 0)))
-    return mm(flat, w)[:n].reshape(*x.shape[:-1], w.shape[-1])
+    dout = w.shape[0] if w_out_in else w.shape[-1]
+    return mm(flat)[:n].reshape(*x.shape[:-1], dout)
 
 
 def weight_of(param: nnx.Param):
@@ -68,17 +76,19 @@ def quant_mode(x, w: QuantizedWeight, kernels: KernelConfig) -> str | None:
     return mode if quant_linear.unsupported_reason(rows, w) is None else None
 
 
-def project(x, w, kernels: KernelConfig, out_dtype=None):
+def project(x, w, kernels: KernelConfig, out_dtype=None, *, w_out_in: bool = False):
     """``x @ w`` for ``x [..., din]`` and a dense ``w [din, dout]`` (``matmul``, rows padded to
     ``kernels.gemm_rows``) or a ``QuantizedWeight``: through ``quant_linear.qmatmul`` (steps of
     at most 16 rows, ``kernels.quant_matmul``), else dequantized, then multiplied by XLA;
-    invariant numerics take ``exact.tiled_matmul`` either way. The result has ``out_dtype``
-    (default ``x``'s)."""
+    invariant numerics take ``exact.tiled_matmul`` either way. ``w_out_in``: a dense ``w`` is
+    ``[dout, din]`` (``matmul``'s). The result has ``out_dtype`` (default ``x``'s)."""
     if kernels.invariant:  # one GEMM shape, a tile at a time (model/exact.py)
         dense = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w
-        return exact.tiled_matmul(x, dense, out_dtype)
+        return exact.tiled_matmul(x, dense.T if w_out_in else dense, out_dtype)
     if not quant.is_quantized(w):
-        return matmul(x, w, kernels.gemm_rows, out_dtype)
+        return matmul(x, w, kernels.gemm_rows, out_dtype, w_out_in=w_out_in)
+    if w_out_in:
+        raise ValueError("a quantized weight is stored [din, dout]; w_out_in is for dense ones")
     mode = quant_mode(x, w, kernels)
     if mode is None:
         return matmul(x, quant.dequantize(w, x.dtype), kernels.gemm_rows, out_dtype)

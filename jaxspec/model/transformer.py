@@ -180,17 +180,19 @@ class Transformer(nnx.Module):
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x, kernels)
-        return project(x, self.head(), kernels, jnp.float32)
+        w, stored = self.head()
+        return project(x, w, kernels, jnp.float32, w_out_in=stored)
 
     def head(self):
-        """The LM head ``[D, V]`` (float32 logits come straight from its accumulator: rounding
-        them to bf16 made exact top-2 ties common, and greedy then depends on the kernel's tie
-        order; seen on the H200). Tied: the embedding, which a quantized model stores in this
-        orientation already."""
+        """The LM head and whether it is ``[V, D]`` (else ``[D, V]``). Float32 logits come
+        straight from its accumulator: rounding them to bf16 made exact top-2 ties common, and
+        greedy then depends on the kernel's tie order (seen on the H200). Tied: the dense
+        embedding ``[V, D]`` as stored (``x @ E.T`` made XLA's CPU backend copy the transposed
+        table at every step), or a quantized one, stored as ``[D, V]`` already."""
         if self.lm_head is not None:
-            return weight_of(self.lm_head.kernel)
+            return weight_of(self.lm_head.kernel), False
         table = weight_of(self.embed_tokens)
-        return table if quant.is_quantized(table) else table.T
+        return table, not quant.is_quantized(table)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

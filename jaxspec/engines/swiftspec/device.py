@@ -165,7 +165,7 @@ def _unfused(net):
     return net.with_kernels(net.kernels.resolve(net.cfg, sharded=True))
 
 
-def run(prog: W.Program, setup, ids, lens, seed, stats) -> dict:
+def run(prog: W.Program, setup, ids, lens, seed, stats, progress=None) -> dict:
     """The whole generation on the two devices. Its setup (``stats.setup_s``: the weights' copy
     on a first call and the compile, once per shape) is not in ``wall_s``, as compiles never
     are. Returns the results, each the target's or the draft's as fits."""
@@ -184,7 +184,10 @@ def run(prog: W.Program, setup, ids, lens, seed, stats) -> dict:
     )
     static = Loop(unfused, mesh)
     key = (setup.target.layout, setup.draft.layout, base.shapes_key(ids, lens))
-    exe, _ = base.compiled(device_loop, static, (tflat, dflat, *args), key)
+    exe, _ = base.compiled(
+        device_loop, static, (tflat, dflat, *args), key, progress=progress,
+        what="swiftspec's two-device loop",
+    )  # fmt: skip
     setup_s = time.perf_counter() - t0
     res = jax.device_get(exe(tflat, dflat, *args))
     res = {k: v[0] if k in ("out", "count", "done", "emitted", "live_steps", "it") else v[1]

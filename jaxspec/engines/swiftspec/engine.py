@@ -237,14 +237,23 @@ class SwiftSpec(base.Engine):
         prog = Program(wp, (len(tdev), len(ddev)), loop, max_extra)
         return prog, Setup(pt, pd, on_t, on_d, options.observe)
 
-    def run(self, prog: Program, target, setup: Setup, ids, lens, seed) -> base.Run:
+    def stream(self, prog: Program, target, setup: Setup, ids, lens, seed, *, steps, progress=None):
+        """SwiftSpec's loops keep the emitted tokens inside the target worker's state, handed
+        from verify to verify: a stream yields them once, at the end."""
+        r = self.run(prog, target, setup, ids, lens, seed, progress=progress)
+        yield r.tokens, r.count
+        return r
+
+    def run(self, prog: Program, target, setup: Setup, ids, lens, seed, *, progress=None):
         stats = SwiftSpecStats()
         t0 = time.perf_counter()
         try:
             if prog.loop == "device":
-                final = device.run(prog.workers, setup, ids, lens, seed, stats)
+                final = device.run(prog.workers, setup, ids, lens, seed, stats, progress)
             else:
-                final = threads.run(prog.workers, prog.max_extra, setup, ids, lens, seed, stats)
+                final = threads.run(
+                    prog.workers, prog.max_extra, setup, ids, lens, seed, stats, progress
+                )
         except WorkerError:
             raise
         except Exception as e:  # a fault in a transfer or a check: name it, never hang

