@@ -34,7 +34,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import Block, KVCache
-from jaxspec.model.layers import Linear, init_param, matmul, rope_tables
+from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
 from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
 
@@ -122,6 +122,12 @@ class FeatureModel(Network):
     ``features``). ``params`` hold the target's embedding (and LM head), shared, not copied."""
 
     reads: tuple[int, ...] = EAGLE1_READS
+
+    @property
+    def dtype(self):
+        """The compute dtype: ``fc``'s (a head has no final norm; its own weights are never
+        quantized, and ``head_model`` casts them to the target's compute dtype)."""
+        return weight_of(self.params["fc"]["bias"]).dtype
 
     def __repr__(self) -> str:
         return f"FeatureModel({self.name!r}, layers={self.config.num_layers}, reads={self.reads})"
