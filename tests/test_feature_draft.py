@@ -29,6 +29,7 @@ from jaxspec.model.feature_head import (
 )
 from jaxspec.model.kv_cache import causal_block, init_cache
 from jaxspec.model.prefill import prefill
+from jaxspec.model.quantized import quantize_model
 from jaxspec.model.transformer import FINAL, apply
 from tests import tiny
 
@@ -269,6 +270,12 @@ def test_a_head_for_another_hidden_size_is_a_draft_error():
     other = tiny.model(0, hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8)
     with pytest.raises(DraftError, match="states of size 48"):
         generate(target, tiny.prompts(0), draft=heads(other, 0), method="chain")
+
+
+def test_a_target_with_a_quantized_embedding_is_a_draft_error():
+    target = quantize_model(tiny.model(0), 8)
+    with pytest.raises(DraftError, match="quantized"):
+        random_head(target)
 
 
 @pytest.mark.slow
