@@ -8,8 +8,10 @@ import json
 import pytest
 
 import jaxspec
+from benchmarks import bench_distill
 from benchmarks import bench_feature_draft as B
-from tests import hf_fixtures
+from jaxspec.model.feature_head import random_head
+from tests import hf_fixtures, tiny
 
 
 def test_pooled_acceptance_weights_each_prompt_by_its_verifications():
@@ -55,3 +57,16 @@ def test_bench_runs_on_a_tiny_target(tmp_path, capsys):
         assert r["prompts"] == r["identical_to_autoregressive"] == 2
         assert r["acceptance_length_pooled"] >= 1.0
     assert "feature-tree" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_distill_feature_rows_run_the_engines_losslessly():
+    """bench_distill's ``feature`` and ``feature-tree`` rows through its padded ``run_one``."""
+    target, ids = tiny.model(0), tiny.prompts(0, lengths=(9,))[0]
+    head = random_head(target)
+    rows = bench_distill.configs(4, 64, 4, feature=True)
+    assert [r[0] for r in rows[-2:]] == ["feature", "feature-tree"]
+    want, _ = bench_distill.run_one(target, "autoregressive", None, ids, 64, 12, {})
+    for _, method, _, opts in rows[-2:]:
+        got, stats = bench_distill.run_one(target, method, head, ids, 64, 12, opts)
+        assert got == want and stats["acceptance_length"] >= 1.0
