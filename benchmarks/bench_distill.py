@@ -7,6 +7,7 @@ Writes ``benchmarks/results/distill.json`` with one section per device (``--devi
 "h200", ...), merged into the existing file, so a CPU run and a GPU run land side by side::
 
     .venv/bin/python benchmarks/bench_distill.py                       # CPU, the shipped draft
+    .venv/bin/python benchmarks/bench_distill.py --feature RUN/draft   # with a feature draft
     python3 benchmarks/bench_distill.py --draft RUN/draft --device-tag h200 --out $OUT/distill.json
 
 Every prompt runs through the engines' own ``run`` (``jaxspec.api.run`` of the call ``prepare``
@@ -16,7 +17,9 @@ configuration compiles once; compilation is excluded from tokens/s. The kernels 
 autoregressive decoding's (``identical_to_autoregressive``); in float32 they must all be equal.
 Prompts run in the outer loop and methods in the inner one, so load changes on a shared machine
 hit every method alike. The JSON is written after every prompt, and ``--budget-s`` stops the run
-in time (every method then has the same prompts).
+in time (every method then has the same prompts). With ``--feature`` (a ``distill --kind
+feature`` draft) two rows join: ``feature`` (chain, the same gamma) and ``feature-tree`` (the
+tree engine's default shape).
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ from benchmarks.common import (  # noqa: E402
 )
 
 
-def configs(gamma: int, budget: int, sinks: int):
+def configs(gamma: int, budget: int, sinks: int, feature: bool = False):
     """(name, method, draft key, options)."""
+    feature_rows = [
+        ("feature", "chain", "feature", {"gamma": gamma}),
+        ("feature-tree", "tree", "feature", {}),
+    ]
     return [
         ("autoregressive", "autoregressive", None, {}),
         ("distilled", "chain", "distilled", {"gamma": gamma}),
@@ -56,7 +63,7 @@ def configs(gamma: int, budget: int, sinks: int):
             "self-streaming",
             {"gamma": gamma, "budget": budget, "sinks": sinks},
         ),
-    ]
+    ] + (feature_rows if feature else [])
 
 
 def run_one(target, method, draft, ids: list[int], width: int, new: int, opts: dict):
@@ -90,6 +97,7 @@ def parse(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=str(SHIPPED), help="distilled draft folder")
+    ap.add_argument("--feature", default=None, help="a feature draft folder: adds its rows")
     ap.add_argument("--model", default=None, help="target checkpoint (default: embedded SmolLM2)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new", type=int, default=128)
@@ -191,6 +199,8 @@ def main(argv=None) -> int:
     width = -(-max(len(p) for p in ids) // 64) * 64
     tag = args.device_tag or device_tag()
     drafts = {"distilled": draft, "ngram": "ngram", "self-streaming": "self-streaming"}
+    if args.feature is not None:
+        drafts["feature"] = load_draft(args.feature, target)
     wanted = None if args.only is None else set(args.only.split(","))
     section = {
         **metadata(),
@@ -203,13 +213,16 @@ def main(argv=None) -> int:
         "greedy": True,
         "kernels": target.net().kernels.describe(),
         "draft": draft_info(args.draft, draft),
+        **(
+            {} if args.feature is None else {"feature": draft_info(args.feature, drafts["feature"])}
+        ),
         "self_streaming": {"budget": args.budget, "sinks": args.sinks},
         "complete": False,
         "results": [],
     }
     cfgs = [
         c
-        for c in configs(args.gamma, args.budget, args.sinks)
+        for c in configs(args.gamma, args.budget, args.sinks, args.feature is not None)
         if wanted is None or c[0] in wanted or c[0] == "autoregressive"
     ]
     rows: dict[str, list[dict]] = {c[0]: [] for c in cfgs}

@@ -1,6 +1,7 @@
 """Sampling through the chain and tree engines reproduces the target's distribution exactly:
 the joint law of the first three new tokens against exact enumeration, chi-square at a fixed
-seed, with a negative control (a rule that accepts every draft token) that the test rejects."""
+seed, with a negative control (a rule that accepts every draft token) that the test rejects;
+with a draft model and with a feature draft (an EAGLE head over the target's states)."""
 
 import itertools
 import math
@@ -13,6 +14,7 @@ from jaxspec.api import generate
 from jaxspec.engines import base
 from jaxspec.engines import chain as chain_engine
 from jaxspec.engines import tree as tree_engine
+from jaxspec.model.feature_head import random_head
 from jaxspec.spec.sampling import Sampling, draw, probs
 from tests import tiny
 
@@ -71,9 +73,14 @@ def chi_square_rejects(counts: np.ndarray, expected_p: np.ndarray) -> tuple[bool
     return stat > crit, stat, crit
 
 
-def models():
+def models(kind: str = "model"):
     target = tiny.model(3, vocab_size=V)
+    if kind == "feature":
+        return target, random_head(target, seed=9)
     return target, tiny.perturbed(target, 0.6, 9)
+
+
+KINDS = ["model", pytest.param("feature", marks=pytest.mark.slow)]  # a minute of CPU a test
 
 
 def accept_everything_chain(key, x, q, p):
@@ -89,12 +96,13 @@ def fresh_compiles():
     jax.clear_caches()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "method,opts",
     [("chain", dict(gamma=2)), ("tree", dict(depth=2, width=2, branch=2, bs=4))],
 )
-def test_sampling_matches_target_distribution(method, opts):
-    target, draft = models()
+def test_sampling_matches_target_distribution(method, opts, kind):
+    target, draft = models(kind)
     rejects, stat, crit = chi_square_rejects(
         sampled_joint(target, draft, method, **opts), exact_joint(target)
     )
@@ -108,9 +116,10 @@ def test_autoregressive_sampling_matches_target_distribution():
     assert not rejects, (stat, crit)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_negative_control_always_accept_is_rejected(method, monkeypatch):
-    target, draft = models()
+def test_negative_control_always_accept_is_rejected(method, monkeypatch, kind):
+    target, draft = models(kind)
     if method == "chain":
         monkeypatch.setattr(chain_engine, "accept_chain", accept_everything_chain)
         opts = dict(gamma=2)

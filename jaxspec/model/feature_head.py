@@ -31,12 +31,13 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import OptionError
+from jaxspec.errors import DraftError, OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import Block, KVCache
-from jaxspec.model.layers import Linear, init_param, matmul, rope_tables
+from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
 from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
+from pallas_kernels import quant
 
 EAGLE1_READS = (FINAL,)  # the target states an EAGLE-1 head reads
 
@@ -123,6 +124,12 @@ class FeatureModel(Network):
 
     reads: tuple[int, ...] = EAGLE1_READS
 
+    @property
+    def dtype(self):
+        """The compute dtype: ``fc``'s (a head has no final norm; its own weights are never
+        quantized, and ``head_model`` casts them to the target's compute dtype)."""
+        return weight_of(self.params["fc"]["bias"]).dtype
+
     def __repr__(self) -> str:
         return f"FeatureModel({self.name!r}, layers={self.config.num_layers}, reads={self.reads})"
 
@@ -148,8 +155,14 @@ def head_model(target: Model, cfg: ModelConfig, own: dict, name: str) -> Feature
     """A ``FeatureModel`` of the head weights ``own`` (a pure dict without the shared arrays,
     cast to the target's dtype) over ``target``'s embedding and LM head."""
     dtype = target.dtype
+    shared = shared_of(target)
+    if any(quant.is_quantized(x) for x in jax.tree.leaves(shared, is_leaf=quant.is_quantized)):
+        raise DraftError(
+            f"{target.name}'s embedding / LM head is quantized, and a feature draft shares them "
+            "as dense arrays: load the target unquantized to draft with a feature head."
+        )
     graphdef, state = abstract_head(cfg, dtype)
-    pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), own), **shared_of(target)}
+    pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), own), **shared}
     nnx.replace_by_pure_dict(state, pure)
     return FeatureModel(cfg, graphdef, state, target.tokenizer, name=name, kernels=target.kernels)
 

@@ -285,7 +285,10 @@ def _run_description(target, out, resume, options, command):
                 f"{out} already holds a distill run; pass resume=True (CLI: --resume) to "
                 "continue it, or choose another --out."
             )
-        defaults = KINDS[given_recipe.get("kind", "model")].defaults
+        kind = given_recipe.get("kind", "model")
+        if kind not in KINDS:  # before its defaults are looked up (``_check_options`` after)
+            raise OptionError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}.")
+        defaults = KINDS[kind].defaults
         recipe, spec = Recipe(**{**defaults, **given_recipe}), DataSpec(**given_data)
         _check_options(recipe, spec, target)
         out.mkdir(parents=True, exist_ok=True)
