@@ -86,15 +86,16 @@ FAMILIES = {
 }
 
 
-def hf_config(family: str):
+def hf_config(family: str, **changes):
     cls, extra = FAMILIES[family]
-    return cls(**{**_COMMON, **extra})
+    return cls(**{**_COMMON, **extra, **changes})
 
 
-def make_hf_model(family: str, *, seed: int = 0):
-    """A random float32 HF causal LM of ``family`` (eager attention, eval mode)."""
+def make_hf_model(family: str, *, seed: int = 0, **changes):
+    """A random float32 HF causal LM of ``family`` (eager attention, eval mode); ``changes``
+    override config fields."""
     torch.manual_seed(seed)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **changes)
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -152,10 +153,13 @@ def llamacpp_permute(weights, n_head: int, n_head_kv: int | None):
     )
 
 
-def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Path:
-    """Write an HF model as an F32 GGUF the way llama.cpp's converter does: llama.cpp tensor
-    names, q/k rows permuted for ``llama`` (not for ``qwen2``), llama3 RoPE scaling as a
-    ``rope_freqs`` tensor of per-frequency divisors, no ``output.weight`` when tied."""
+def write_gguf(model, path: pathlib.Path, *, arch: str = "llama", types=None) -> pathlib.Path:
+    """Write an HF model as a GGUF the way llama.cpp's converter does: llama.cpp tensor names,
+    q/k rows permuted for ``llama`` (not for ``qwen2``), llama3 RoPE scaling as a ``rope_freqs``
+    tensor of per-frequency divisors, no ``output.weight`` when tied. ``types`` maps a GGUF
+    tensor name to its ``GGMLQuantizationType`` (default F32; 1-D tensors stay F32), quantized
+    by the gguf package's own ``quants.quantize`` (Q8_1 has no quantizer there: its blocks are
+    written as zero bytes)."""
     import math
 
     import gguf
@@ -217,7 +221,16 @@ def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Pat
             if arch == "llama" and mod[-1] in ("q_proj", "k_proj"):
                 kv = cfg.num_attention_heads if mod[-1] == "q_proj" else cfg.num_key_value_heads
                 arr = llamacpp_permute(arr, cfg.num_attention_heads, kv)
-        w.add_tensor(out, np.ascontiguousarray(arr))
+        kind = (types or {}).get(out, gguf.GGMLQuantizationType.F32) if arr.ndim == 2 else None
+        if kind in (None, gguf.GGMLQuantizationType.F32):
+            w.add_tensor(out, np.ascontiguousarray(arr))
+            continue
+        if kind == gguf.GGMLQuantizationType.Q8_1:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            data = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(arr), kind)
+        w.add_tensor(out, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -258,3 +271,4 @@ def save_wide_llama(folder: pathlib.Path, *, hidden: int, intermediate: int, lay
         str(folder / "model.safetensors"),
     )
     return folder
+

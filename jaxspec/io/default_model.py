@@ -65,8 +65,10 @@ def default_checkpoint(
     progress: bool = True,
 ) -> pathlib.Path:
     """The converted default model under ``root`` (default: the repository's ``checkpoints/``),
-    converting it on first use. float32 by default, so logits match transformers' float32
-    dequantization of the same GGUF."""
+    converting it on first use. Its Q8_0 / Q4_1 blocks are kept quantized (``convert``'s
+    ``quantize="source"``), and ``load`` keeps them so (``KEEP_QUANTIZED``). float32 by default,
+    so that its logits match transformers' float32 dequantization of the same GGUF (they are
+    the same weights to the bit)."""
     from jaxspec.io.convert import convert
 
     root = pathlib.Path(root).expanduser() if root is not None else REPO_CHECKPOINTS

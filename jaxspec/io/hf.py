@@ -129,6 +129,7 @@ class HFSource:
     def __init__(self, folder: pathlib.Path, files: list[pathlib.Path]):
         self.folder = folder
         self.files = [_SafetensorsFile(p) for p in files]
+        self.dequantized = {}
 
     def config(self) -> ModelConfig:
         try:
@@ -144,7 +145,8 @@ class HFSource:
     def num_tensors(self) -> int:
         return sum(len(f.entries) for f in self.files)
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(self, cfg: ModelConfig, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, array) pairs; float safetensors have nothing to keep quantized."""
         for f in self.files:
             for name in f.entries:
                 try:
