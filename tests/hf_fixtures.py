@@ -6,6 +6,7 @@ randomised too (not left at ones / zeros), so a mis-mapped norm or bias shows in
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -272,3 +273,57 @@ def save_wide_llama(folder: pathlib.Path, *, hidden: int, intermediate: int, lay
     )
     return folder
 
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's WQLinear_GEMM.from_linear, order_map
+
+
+def awq_pack(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes ``[r, c]`` packed as AutoAWQ's GEMM layout does, written here from its
+    definition (casper-hansen/AutoAWQ, awq/modules/linear/gemm.py, ``from_linear``): word
+    column ``j`` holds column ``8j + AWQ_ORDER[i]`` in bits ``[4i, 4i + 4)``."""
+    r, c = codes.shape
+    words = np.zeros((r, c // 8), np.uint32)
+    for j in range(c // 8):
+        for i in range(8):
+            words[:, j] |= codes[:, 8 * j + AWQ_ORDER[i]].astype(np.uint32) << (4 * i)
+    return words.view(np.int32)
+
+
+def write_awq(model, folder: pathlib.Path, *, group: int, seed: int = 0) -> dict:
+    """Save an HF model as a 4-bit AWQ (GEMM) checkpoint: every decoder linear quantized
+    asymmetrically in groups of ``group`` inputs (AutoAWQ's ``pseudo_quantize_tensor``: scale
+    ``(max - min) / 15``, zero ``round(-min / scale)``), packed by ``awq_pack``; the rest float32.
+    Returns ``{module: (codes [in, out], zeros [in / group, out], scales float16)}``."""
+    from safetensors.numpy import save_file
+
+    tensors, parts = {}, {}
+    for name, p in model.state_dict().items():
+        arr = p.detach().numpy().astype(np.float32)
+        module = name.removesuffix(".weight")
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            tensors[name] = arr
+            continue
+        w = arr.T  # [in, out]
+        g = w.reshape(w.shape[0] // group, group, w.shape[1])
+        lo, hi = g.min(axis=1), g.max(axis=1)
+        scales = (np.maximum(hi - lo, 1e-5) / 15).astype(np.float16)
+        zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, 15).astype(np.uint8)
+        rep = np.repeat(scales.astype(np.float32), group, axis=0)
+        codes = np.round(w / rep) + np.repeat(zeros, group, axis=0)
+        codes = np.clip(codes, 0, 15).astype(np.uint8)
+        tensors[f"{module}.qweight"] = awq_pack(codes)
+        tensors[f"{module}.qzeros"] = awq_pack(zeros)
+        tensors[f"{module}.scales"] = scales
+        parts[module] = (codes, zeros, scales)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm",
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    # safetensors writes an array's buffer as it lies: only C-ordered arrays come back the same
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(folder / "model.safetensors")
+    )
+    return parts

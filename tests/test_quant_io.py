@@ -1,4 +1,4 @@
-"""Quantized checkpoints: GGUF Q8_0 / Q4_0 / Q4_1 blocks kept quantized, other
+"""Quantized checkpoints: GGUF Q8_0 / Q4_0 / Q4_1 blocks and AWQ weights kept quantized, other
 GGUF types dequantized with a note, ``quantize="int8" / "int4"`` of a float checkpoint, Orbax
 holding codes and scales, ``load`` onto one device or a tensor-parallel mesh, and the bad inputs
 (an unreadable type, a truncated block, a group size that does not divide), each leaving nothing
@@ -18,9 +18,10 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.errors import CheckpointError, OptionError
+from jaxspec.io import awq as awq_io
 from jaxspec.model import quantized as Q
 from pallas_kernels import quant
-from tests.hf_fixtures import make_hf_model, write_gguf
+from tests.hf_fixtures import awq_pack, make_hf_model, write_awq, write_gguf
 
 T = gguf.GGMLQuantizationType
 # layer 0 Q4_1, layer 1 Q4_0, the embedding (tied: also the LM head) Q8_0, one tensor Q5_0
@@ -162,6 +163,81 @@ def test_a_truncated_block_is_a_checkpoint_error_with_nothing_left(gguf_file, tm
     src.write_bytes(data[: len(data) - 100])  # inside the last tensor's blocks
     dst = tmp_path / "out" / "ckpt"
     _fails(lambda: jaxspec.convert(src, dst, progress=False), dst, "truncated|corrupt")
+
+
+# ----------------------------------------------------------------------------- AWQ
+
+
+@pytest.fixture(scope="module")
+def awq(tmp_path_factory, hf):
+    folder = tmp_path_factory.mktemp("awq") / "hf"
+    return folder, write_awq(hf, folder, group=32)
+
+
+def test_an_awq_layer_unpacks_and_dequantizes_as_autoawq_defines_it():
+    """A random layer packed by AutoAWQ's definition (tests.hf_fixtures.awq_pack, written from
+    WQLinear_GEMM.from_linear) reads back as its codes, and dequantizes to (q - z) * s."""
+    rng = np.random.default_rng(0)
+    k, n, g = 128, 48, 64
+    codes = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    zeros = rng.integers(0, 16, (k // g, n), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 0.1, (k // g, n)).astype(np.float16)
+    qweight, qzeros = awq_pack(codes), awq_pack(zeros)
+    assert qweight.dtype == np.int32 and qweight.shape == (k, n // 8)
+    np.testing.assert_array_equal(awq_io.unpack(qweight), codes)
+    w = awq_io.weight(qweight, qzeros, scales, g)
+    assert (w.shape, w.bits, w.group) == ((k, n), 4, g)
+    want = (codes.astype(np.float32) - np.repeat(zeros, g, axis=0)) * np.repeat(
+        scales.astype(np.float32), g, axis=0
+    )
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want)
+    with pytest.raises(ValueError, match="not one AWQ weight"):
+        awq_io.weight(qweight, qzeros, scales, 32)  # zeros / scales of another group size
+
+
+def test_awq_weights_are_read_quantized_as_autoawq_defines_them(awq, tmp_path):
+    """Each AWQ linear, read back, dequantizes to (q - z) * s of the codes the fixture packed
+    by AutoAWQ's definition, bit for bit in float32; the model decodes as its float twin."""
+    folder, parts = awq
+    ckpt = jaxspec.convert(folder, tmp_path / "q", dtype="float32", progress=False)
+    assert json.loads((ckpt / "config.json").read_text())["quantization"]["method"] == "awq"
+    model = jaxspec.load(ckpt, quantized=True)
+    pure = _pure(model)
+    for module, (codes, zeros, scales) in parts.items():
+        _, _, i, block, name = module.split(".")
+        w = pure["layers"][int(i)][block][name]["kernel"]
+        assert quant.is_quantized(w) and w.bits == 4 and w.group == 32
+        s = np.repeat(scales.astype(np.float32), 32, axis=0)
+        want = (codes.astype(np.float32) - np.repeat(zeros, 32, axis=0)) * s
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want, err_msg=module)
+    flat = jaxspec.load(
+        jaxspec.convert(folder, tmp_path / "f", dtype="float32", quantize="none", progress=False)
+    )
+    tokens = np.arange(3, 30)[None]
+    lq, lf = np.asarray(model.logits(tokens)), np.asarray(flat.logits(tokens))
+    np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-5 * np.abs(lf).max())
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(bits=8), "bits=8"),
+        (dict(version="gemv"), "'gemv'"),
+        (dict(quant_method="gptq"), "'gptq'"),
+    ],
+)
+def test_awq_variants_jaxspec_cannot_read_are_checkpoint_errors(awq, tmp_path, change, match):
+    folder, _ = awq
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in folder.iterdir():
+        (src / f.name).symlink_to(f)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (src / "config.json").unlink()
+    (src / "config.json").write_text(json.dumps(cfg))
+    dst = tmp_path / "out" / "ckpt"
+    _fails(lambda: jaxspec.convert(src, dst, progress=False), dst, match)
 
 
 # ----------------------------------------------------------------------------- int8 / int4
