@@ -41,6 +41,7 @@ DEFAULTS = {
         fused_attention="off",
         fused_linear="off",
         fused_commit="off",
+        linear_rows=16,  # every row count the kernels take (the tests run them interpreted)
         gemm_rows=0,  # XLA's CPU GEMMs gain nothing from padded rows
         row_padding="stream",
         prefill_chunk=256,
@@ -61,6 +62,10 @@ DEFAULTS = {
         # 0.731, 64 x 64 1.007. Layers of 1B and up keep the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
         linear_tile=(64, 128, 4),
+        # ...for one-row steps only: with 5 rows (a gamma-4 chain verify) the kernels' tensor-core
+        # path made the verify 1.65 ms against a 0.60 ms decode step (verify.json, 2026-12-02),
+        # where the plain path verifies 9 rows in 0.85 ms (small_model_trees_s9)
+        linear_rows=1,
         fused_commit="pallas",  # one kernel for a tree verify's K/V moves in every cache
         # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
         # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
@@ -96,6 +101,7 @@ class KernelConfig:
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
     linear_tile:     (BN, BK, warps) of those kernels.
+    linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
     quant_matmul:    quantized projections of steps of at most 16 rows: "pallas" (dequantized in
                      the kernel), "interpret", "xla" (dequantize, then XLA's GEMM); more rows
@@ -106,6 +112,11 @@ class KernelConfig:
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
+    invariant:       every reduction exact (``model/exact.py``): a row's result independent of
+                     what else its step computes, so speculative output equals autoregressive
+                     output bit for bit, in bf16 too. Several times slower; the fused kernels
+                     and the attention kernels are off. Applies to the target (drafts keep
+                     theirs: they change how many tokens are accepted, never which).
     """
 
     attention: str = "auto"
@@ -113,6 +124,7 @@ class KernelConfig:
     fused_attention: str = "auto"
     fused_linear: str = "auto"
     linear_tile: tuple[int, int, int] | None = None
+    linear_rows: int | None = None
     fused_commit: str = "auto"
     quant_matmul: str = "auto"
     quant_tile: tuple[int | None, int | None, int | None, int | None, int | None] | None = None
@@ -120,6 +132,7 @@ class KernelConfig:
     row_padding: str = "auto"
     prefill_chunk: int | None = None
     loop_chunk: int | None = None
+    invariant: bool = False
     resolved: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
@@ -151,6 +164,12 @@ class KernelConfig:
             for what, v in (("num_stages", stages), ("min_split", split)):
                 if v is not None and not _positive(v):
                     raise OptionError(f"attention_tile's {what} must be positive, got {v!r}.")
+        if self.linear_rows is not None and not (
+            _int(self.linear_rows) and 1 <= self.linear_rows <= 16
+        ):
+            raise OptionError(
+                f"KernelConfig.linear_rows must be an integer from 1 to 16: {self.linear_rows!r}."
+            )
         if self.quant_tile is not None:
             _check_quant_tile(self.quant_tile)
         if self.gemm_rows is not None and (not _int(self.gemm_rows) or self.gemm_rows < 0):
@@ -164,6 +183,8 @@ class KernelConfig:
                 f"KernelConfig.prefill_chunk must be a multiple of 16 (16, 32, ..., 2048), got "
                 f"{self.prefill_chunk!r}."
             )
+        if not isinstance(self.invariant, bool):
+            raise OptionError(f"KernelConfig.invariant must be True or False: {self.invariant!r}.")
         if self.loop_chunk is not None and not (
             _int(self.loop_chunk) and 1 <= self.loop_chunk <= 64
         ):
@@ -206,6 +227,9 @@ class KernelConfig:
                 f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
                 "'interpret', 'reference' or 'auto' here."
             )
+        if fill["invariant"]:  # exact reductions in jnp: no kernel has them (model/exact.py)
+            fill.update(fused_attention="off", fused_linear="off", fused_commit="off")
+            fill.update(attention="reference", gemm_rows=0)
         if fill["fused_linear"] != "off" and _linear_unfit(cfg, fill["linear_tile"]):
             fill["fused_linear"] = "off"
         if fill["fused_linear"] != "off" and fill["linear_tile"] is None:
@@ -245,6 +269,20 @@ class KernelConfig:
                 )
                 _checked("/".join(names), **{field: kw[field]})
         return cls(**kw)
+
+    def compiler_options(self) -> dict:
+        """XLA options a program with these kernels is compiled with. Invariant numerics forbid
+        excess precision (XLA may otherwise skip the rounding of a bf16 intermediate inside a
+        fusion, so a value's bits would depend on how its program was fused) and, on a GPU, GEMM
+        autotuning (another process could time another kernel faster for the same shape) and
+        nondeterministic ops."""
+        if not self.invariant:
+            return {}
+        return {
+            "xla_allow_excess_precision": False,
+            "xla_gpu_autotune_level": 0,
+            "xla_gpu_deterministic_ops": True,
+        }
 
     def describe(self) -> dict:
         """The settings as a plain dict (benchmarks record it beside their figures)."""

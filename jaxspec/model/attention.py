@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
 from jaxspec.model.kv_cache import Block
 from jaxspec.model.layers import Linear, mode_of, rows_like, tokens_of
 from pallas_kernels import dispatch, rope_attention
@@ -78,9 +79,12 @@ class Attention(nnx.Module):
             q, k, v = rope_attention.split_heads(
                 rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
             )
-        k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
+        rope = exact.rope if kernels.invariant else apply_rope
+        k_cache = write(k_cache, rope(k, cos, sin), block.slots)
         v_cache = write(v_cache, v, block.slots)
-        q = apply_rope(q, cos, sin)
+        q = rope(q, cos, sin)
+        if kernels.invariant:
+            return exact.attend(q, k_cache, v_cache, length, block.block_mask), k_cache, v_cache
         out = dispatch.attention(
             q, k_cache, v_cache, length, block.block_mask, impl=kernels.attention,
             tile=kernels.attention_tile,

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
 from pallas_kernels import quant, quant_linear
 from pallas_kernels.quant import QuantizedWeight
 
@@ -70,8 +71,12 @@ def quant_mode(x, w: QuantizedWeight, kernels: KernelConfig) -> str | None:
 def project(x, w, kernels: KernelConfig, out_dtype=None):
     """``x @ w`` for ``x [..., din]`` and a dense ``w [din, dout]`` (``matmul``, rows padded to
     ``kernels.gemm_rows``) or a ``QuantizedWeight``: through ``quant_linear.qmatmul`` (steps of
-    at most 16 rows, ``kernels.quant_matmul``), else dequantized, then multiplied by XLA. The
-    result has ``out_dtype`` (default ``x``'s)."""
+    at most 16 rows, ``kernels.quant_matmul``), else dequantized, then multiplied by XLA;
+    invariant numerics take ``exact.tiled_matmul`` either way. The result has ``out_dtype``
+    (default ``x``'s)."""
+    if kernels.invariant:  # one GEMM shape, a tile at a time (model/exact.py)
+        dense = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w
+        return exact.tiled_matmul(x, dense, out_dtype)
     if not quant.is_quantized(w):
         return matmul(x, w, kernels.gemm_rows, out_dtype)
     mode = quant_mode(x, w, kernels)
@@ -115,8 +120,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: KernelConfig):
         # As HF: normalise in float32, cast back, then scale.
+        if kernels.invariant:
+            return self.weight[...] * exact.exact_rms(x, self.eps).astype(x.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
@@ -142,5 +149,5 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, kernels: KernelConfig):
-        gate, up = self.gate_proj(x, kernels), self.up_proj(x, kernels)
-        return self.down_proj(jax.nn.silu(gate) * up, kernels)
+        h = jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels)
+        return self.down_proj(h, kernels)

@@ -64,7 +64,7 @@ def window_queries(
     qs = []
     for layer, kc, vc in zip(module.layers, dense.k, dense.v, strict=True):
         att = layer.self_attn
-        q = att.q_proj(layer.input_layernorm(x), net.kernels).reshape(
+        q = att.q_proj(layer.input_layernorm(x, net.kernels), net.kernels).reshape(
             b, obs, cfg.num_heads, cfg.head_dim
         )
         qs.append(apply_rope(q, cos, sin))
