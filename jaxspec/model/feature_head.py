@@ -34,8 +34,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import Block, KVCache
-from jaxspec.model.layers import Linear, init_param, matmul, rope_tables
+from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
+from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
 
 EAGLE1_READS = (FINAL,)  # the target states an EAGLE-1 head reads
@@ -123,6 +124,11 @@ class FeatureModel(Network):
 
     reads: tuple[int, ...] = EAGLE1_READS
 
+    @property
+    def dtype(self):
+        """The compute dtype: ``fc``'s (a head has no final norm; its own weights are float)."""
+        return weight_of(self.params["fc"]["kernel"]).dtype
+
     def __repr__(self) -> str:
         return f"FeatureModel({self.name!r}, layers={self.config.num_layers}, reads={self.reads})"
 
@@ -139,9 +145,12 @@ def abstract_head(cfg: ModelConfig, dtype=jnp.float32):
 
 
 def shared_of(target: Model) -> dict:
-    """The target's arrays a head uses as its own (embedding, LM head), as a pure dict."""
+    """The target's arrays a head uses as its own (embedding, LM head), as a pure dict; a
+    quantized target's dequantized to its compute dtype (the head indexes and multiplies them
+    as float arrays: a float copy of the embedding, the price of a quantized target's head)."""
     pure = nnx.to_pure_dict(target.params)
-    return {k: pure[k] for k in ("embed_tokens", "lm_head") if pure.get(k) is not None}
+    shared = {k: pure[k] for k in ("embed_tokens", "lm_head") if pure.get(k) is not None}
+    return dequantize_params(shared, target.dtype)
 
 
 def head_model(target: Model, cfg: ModelConfig, own: dict, name: str) -> FeatureModel:
