@@ -1,18 +1,20 @@
 """Decode and verify step times of model shapes against their HBM floor (random bf16 weights).
 
-One case = (shape, batch, context, block size T, tensor-parallel degree). A case times the
+One case = (shape, batch, context, block size T, tensor-parallel degree, weights: ``bf16`` or a
+quantized twin, see ``QUANT``). A case times the
 project's own forward (``jaxspec.model.transformer.apply``: unrolled layers, the Pallas
 decode-attention kernel on GPU, in-place cache writes) inside one jitted ``lax.fori_loop`` of
 ``--steps`` steps with the cache donated, so the figure is the per-step cost with the loop on
 device, as the engines run it. The floor is the bytes a step must read (every weight except an
 untied input embedding, of which one row is read, plus the visible K/V) over ``--hbm-tbs`` (4.3 TB/s
-for an H200).
+for an H200); a quantized weight counts its bytes as stored (codes, scales, mins).
 
 XLA flags are read when jax starts, so flag variants are separate processes: see
 ``benchmarks/gpu/decode.sh``. ``--label`` tags the rows of one process; rows are appended to the
 JSON (``--out``) as each case finishes, so a timeout keeps what was measured.
 
     python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1,8b:1:4096:16 --out decode.json
+    python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1:1:int4 --out decode.json
     python benchmarks/bench_decode_gpu.py --smoke      # tiny shapes, CPU check of the script
 """
 
@@ -27,18 +29,32 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from benchmarks.common import metadata
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import quantized as Q
 from jaxspec.model import sharding
 from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model.transformer import apply, new_model
+from jaxspec.model.transformer import apply, new_model, with_params
 from jaxspec.timing import median_ms
+from pallas_kernels import quant
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
 SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}
+
+
+# Quantized twins of the random weights (jaxspec.model.quantized): (bits, group, mins, scale
+# dtype, the tied embedding's (bits, group)). q4_1 / q8_0 are GGUF's layouts as the shipped
+# SmolLM2 GGUF has them (Q4_1 layers, a Q8_0 embedding); int8 / int4 are `convert --quantize`'s.
+QUANT = {
+    "int8": (8, None, False, jnp.float32, None),
+    "int4": (4, 128, False, jnp.float32, None),
+    "q8_0": (8, 32, False, jnp.float16, None),
+    "q4_1": (4, 32, True, jnp.float16, (8, 32)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +64,47 @@ class Case:
     context: int
     t: int  # tokens per step: 1 = decode, k = a k-token verify block
     tp: int = 1
+    quant: str = "bf16"  # or a key of QUANT
 
     @classmethod
     def parse(cls, text: str) -> Case:
         parts = text.split(":")
         shape, b, s, t = parts[:4]
         tp = int(parts[4]) if len(parts) > 4 else 1
-        return cls(shape, int(b), int(s), int(t), tp)
+        q = parts[5] if len(parts) > 5 else "bf16"
+        if q != "bf16" and q not in QUANT:
+            raise SystemExit(f"unknown weights {q!r}: bf16 or one of {', '.join(QUANT)}")
+        return cls(shape, int(b), int(s), int(t), tp, q)
 
     @property
     def name(self) -> str:
-        return f"{self.shape}:{self.batch}:{self.context}:{self.t}:{self.tp}"
+        tail = "" if self.quant == "bf16" else f":{self.quant}"
+        return f"{self.shape}:{self.batch}:{self.context}:{self.t}:{self.tp}{tail}"
+
+
+def quantized_twin(model, kind: str):
+    """``model`` with its projections and LM head quantized as ``QUANT[kind]`` says."""
+    bits, group, mins, scale_dtype, embed = QUANT[kind]
+    cfg = model.config
+
+    def one(path, w):
+        if not Q.quantizable(path, cfg):
+            return w
+        b, g = embed if (embed and path == Q.EMBEDDING) else (bits, group)
+        w = w.T if path == Q.EMBEDDING else w
+        qw = quant.quantize(w, b, g, scale_dtype=scale_dtype)
+        if mins and b == 4:  # the asymmetric layout: w = q * s + m with m = -8 s
+            low = (-quant.OFFSET4 * qw.scales.astype(jnp.float32)).astype(scale_dtype)
+            qw = quant.QuantizedWeight(qw.values, qw.scales, low, 4, qw.group, qw.dtype)
+        return qw
+
+    pure = jax.tree_util.tree_map_with_path(
+        lambda p, w: one(tuple(getattr(k, "key", k) for k in p), w),
+        nnx.to_pure_dict(model.params),
+    )
+    state = jax.tree.map(lambda x: x, model.params)
+    nnx.replace_by_pure_dict(state, pure)
+    return with_params(model, state, name=f"{model.name}-{kind}")
 
 
 def param_bytes(cfg: ModelConfig, params) -> int:
@@ -122,6 +168,8 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype, kernels) 
     cfg = SHAPES[case.shape]
     devices = jax.devices()[: case.tp]
     model = new_model(cfg, seed=0, dtype=dtype)
+    if case.quant != "bf16":
+        model = quantized_twin(model, case.quant)
     cap = case.context + steps * case.t + 8
     cache = init_cache(cfg, case.batch, cap, dtype)
     cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((case.batch,), case.context, jnp.int32))
@@ -190,7 +238,7 @@ def main():
     args = ap.parse_args()
     start = time.perf_counter()
     cases = (
-        [Case("smoke", 1, 64, 1), Case("smoke", 2, 64, 4)]
+        [Case("smoke", 1, 64, 1), Case("smoke", 2, 64, 4), Case("smoke", 1, 64, 1, quant="q4_1")]
         if args.smoke
         else [Case.parse(c) for c in args.cases.split(",") if c]
     )

@@ -46,6 +46,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "bfloat16"),
         help="compute dtype; auto = float32 on CPU, bfloat16 on GPU (default: auto)",
     )
+    p.add_argument(
+        "--quantized",
+        default="auto",
+        choices=("auto", "keep", "dequantize"),
+        help="a quantized checkpoint (a GGUF's Q8_0/Q4_0/Q4_1 blocks, AWQ, convert --quantize): "
+        "keep its weights quantized or dequantize them once at load; auto (default): the "
+        "backend's choice, jaxspec.io.convert.KEEP_QUANTIZED (kept on a CPU and a GPU)",
+    )
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("src", help="HF folder or .gguf file")
     c.add_argument("dst", help="output folder (must not exist, or use --overwrite)")
-    c.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    c.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of float weights, and the compute dtype of quantized ones",
+    )
+    c.add_argument(
+        "--quantize",
+        default="source",
+        choices=("source", "none", "int8", "int4"),
+        help="source (default): keep a GGUF's Q8_0/Q4_0/Q4_1 blocks and AWQ weights quantized "
+        "(other GGUF types are dequantized, with a note); none: dequantize everything; int8: "
+        "quantize the projections and LM head, a scale per output channel (or per "
+        "--group-size rows); int4: the same in groups of --group-size (128) rows",
+    )
+    c.add_argument(
+        "--group-size", type=int, default=None, help="rows of a weight a scale covers (int8/int4)"
+    )
     c.add_argument(
         "--overwrite",
         action="store_true",
@@ -310,9 +335,14 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
+def _quantized(args) -> bool | None:
+    """``--quantized`` as ``load``'s ``quantized`` (None: the backend's default)."""
+    return {"auto": None, "keep": True, "dequantize": False}[getattr(args, "quantized", "auto")]
+
+
 def _load_target(args):
     path = args.model or default_checkpoint()
-    model = load(path, dtype=_dtype(args.dtype))
+    model = load(path, dtype=_dtype(args.dtype), quantized=_quantized(args))
     model.kernels = args.kernels
     return model
 
@@ -322,7 +352,7 @@ def _load_draft(args, target):
         return args.draft
     if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
         return load_draft(args.draft, target)
-    model = load(args.draft, dtype=_dtype(args.dtype))
+    model = load(args.draft, dtype=_dtype(args.dtype), quantized=_quantized(args))
     model.kernels = target.kernels
     return model
 
@@ -359,7 +389,10 @@ def _method_options(args) -> dict:
 
 
 def cmd_convert(args) -> int:
-    out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    out = convert(
+        args.src, args.dst, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+        overwrite=args.overwrite,
+    )  # fmt: skip
     print(f"converted {args.src} -> {out}")
     return 0
 
@@ -652,6 +685,8 @@ FLAGS = {
     "overwrite=True (CLI: --overwrite)": "--overwrite",
     "resume=True (CLI: --resume)": "--resume",
     "budget_s": "--budget-s",
+    "group_size": "--group-size",
+    "quantize=": "--quantize ",
 }
 
 

@@ -6,6 +6,7 @@ randomised too (not left at ones / zeros), so a mis-mapped norm or bias shows in
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -86,15 +87,16 @@ FAMILIES = {
 }
 
 
-def hf_config(family: str):
+def hf_config(family: str, **changes):
     cls, extra = FAMILIES[family]
-    return cls(**{**_COMMON, **extra})
+    return cls(**{**_COMMON, **extra, **changes})
 
 
-def make_hf_model(family: str, *, seed: int = 0):
-    """A random float32 HF causal LM of ``family`` (eager attention, eval mode)."""
+def make_hf_model(family: str, *, seed: int = 0, **changes):
+    """A random float32 HF causal LM of ``family`` (eager attention, eval mode); ``changes``
+    override config fields."""
     torch.manual_seed(seed)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **changes)
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -152,10 +154,13 @@ def llamacpp_permute(weights, n_head: int, n_head_kv: int | None):
     )
 
 
-def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Path:
-    """Write an HF model as an F32 GGUF the way llama.cpp's converter does: llama.cpp tensor
-    names, q/k rows permuted for ``llama`` (not for ``qwen2``), llama3 RoPE scaling as a
-    ``rope_freqs`` tensor of per-frequency divisors, no ``output.weight`` when tied."""
+def write_gguf(model, path: pathlib.Path, *, arch: str = "llama", types=None) -> pathlib.Path:
+    """Write an HF model as a GGUF the way llama.cpp's converter does: llama.cpp tensor names,
+    q/k rows permuted for ``llama`` (not for ``qwen2``), llama3 RoPE scaling as a ``rope_freqs``
+    tensor of per-frequency divisors, no ``output.weight`` when tied. ``types`` maps a GGUF
+    tensor name to its ``GGMLQuantizationType`` (default F32; 1-D tensors stay F32), quantized
+    by the gguf package's own ``quants.quantize`` (Q8_1 has no quantizer there: its blocks are
+    written as zero bytes)."""
     import math
 
     import gguf
@@ -217,7 +222,16 @@ def write_gguf(model, path: pathlib.Path, *, arch: str = "llama") -> pathlib.Pat
             if arch == "llama" and mod[-1] in ("q_proj", "k_proj"):
                 kv = cfg.num_attention_heads if mod[-1] == "q_proj" else cfg.num_key_value_heads
                 arr = llamacpp_permute(arr, cfg.num_attention_heads, kv)
-        w.add_tensor(out, np.ascontiguousarray(arr))
+        kind = (types or {}).get(out, gguf.GGMLQuantizationType.F32) if arr.ndim == 2 else None
+        if kind in (None, gguf.GGMLQuantizationType.F32):
+            w.add_tensor(out, np.ascontiguousarray(arr))
+            continue
+        if kind == gguf.GGMLQuantizationType.Q8_1:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            data = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(arr), kind)
+        w.add_tensor(out, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -258,3 +272,58 @@ def save_wide_llama(folder: pathlib.Path, *, hidden: int, intermediate: int, lay
         str(folder / "model.safetensors"),
     )
     return folder
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's WQLinear_GEMM.from_linear, order_map
+
+
+def awq_pack(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes ``[r, c]`` packed as AutoAWQ's GEMM layout does, written here from its
+    definition (casper-hansen/AutoAWQ, awq/modules/linear/gemm.py, ``from_linear``): word
+    column ``j`` holds column ``8j + AWQ_ORDER[i]`` in bits ``[4i, 4i + 4)``."""
+    r, c = codes.shape
+    words = np.zeros((r, c // 8), np.uint32)
+    for j in range(c // 8):
+        for i in range(8):
+            words[:, j] |= codes[:, 8 * j + AWQ_ORDER[i]].astype(np.uint32) << (4 * i)
+    return words.view(np.int32)
+
+
+def write_awq(model, folder: pathlib.Path, *, group: int, seed: int = 0) -> dict:
+    """Save an HF model as a 4-bit AWQ (GEMM) checkpoint: every decoder linear quantized
+    asymmetrically in groups of ``group`` inputs (AutoAWQ's ``pseudo_quantize_tensor``: scale
+    ``(max - min) / 15``, zero ``round(-min / scale)``), packed by ``awq_pack``; the rest float32.
+    Returns ``{module: (codes [in, out], zeros [in / group, out], scales float16)}``."""
+    from safetensors.numpy import save_file
+
+    tensors, parts = {}, {}
+    for name, p in model.state_dict().items():
+        arr = p.detach().numpy().astype(np.float32)
+        module = name.removesuffix(".weight")
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            tensors[name] = arr
+            continue
+        w = arr.T  # [in, out]
+        g = w.reshape(w.shape[0] // group, group, w.shape[1])
+        lo, hi = g.min(axis=1), g.max(axis=1)
+        scales = (np.maximum(hi - lo, 1e-5) / 15).astype(np.float16)
+        zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, 15).astype(np.uint8)
+        rep = np.repeat(scales.astype(np.float32), group, axis=0)
+        codes = np.round(w / rep) + np.repeat(zeros, group, axis=0)
+        codes = np.clip(codes, 0, 15).astype(np.uint8)
+        tensors[f"{module}.qweight"] = awq_pack(codes)
+        tensors[f"{module}.qzeros"] = awq_pack(zeros)
+        tensors[f"{module}.scales"] = scales
+        parts[module] = (codes, zeros, scales)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm",
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    # safetensors writes an array's buffer as it lies: only C-ordered arrays come back the same
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(folder / "model.safetensors")
+    )
+    return parts

@@ -100,9 +100,19 @@ CASES = [  # (rows, K, N, bn, bk, splits): K tiles past K's end, splits of unequ
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("m, k, n, bn, bk, splits", CASES)
+def _qmatmul_cases():
+    """Every (case, format, dtype); the default run takes a third of them, each (format, dtype)
+    once, each case three or four times, the rest slow."""
+    out = []
+    for i, case in enumerate(CASES):
+        for j, fmt in enumerate(sorted(FORMATS)):
+            for d, dtype in enumerate((jnp.float32, jnp.bfloat16)):
+                marks = () if (i + j + d) % len(CASES) == 0 else (pytest.mark.slow,)
+                out.append(pytest.param(*case, fmt, dtype, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("m, k, n, bn, bk, splits, fmt, dtype", _qmatmul_cases())
 def test_qmatmul_equals_dequantize_then_matmul(m, k, n, bn, bk, splits, fmt, dtype):
     rng = np.random.default_rng(m * 1000 + k + n)
     w = random_weight(rng, k, n, fmt, dtype)
@@ -137,8 +147,15 @@ def test_qmatmul_refuses_what_it_cannot_take():
     assert ql.plan(4096, 14336, 64, 256, None) == (1, 16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fmts", [("q4_1", "int8-channel"), ("int4", "q8_0")])
+@pytest.mark.parametrize(
+    "fmts, dtype",
+    [
+        (("q4_1", "int8-channel"), jnp.bfloat16),
+        (("int4", "q8_0"), jnp.float32),
+        pytest.param(("q4_1", "int8-channel"), jnp.float32, marks=pytest.mark.slow),
+        pytest.param(("int4", "q8_0"), jnp.bfloat16, marks=pytest.mark.slow),
+    ],
+)  # the default run: each format and each dtype once
 def test_split_k_projection_kernels_take_quantized_weights(fmts, dtype):
     """The fused projection kernels (norm + Q/K/V, o_proj over attention splits, SiLU + down)
     over quantized weights, some side by side with a dense one, against their references

@@ -16,6 +16,7 @@ from jaxspec.engines import base
 from jaxspec.engines import chain as chain_engine
 from jaxspec.model import quantized as Q
 from jaxspec.model import sharding
+from jaxspec.model.feature_head import random_head
 from jaxspec.model.transformer import with_params
 from pallas_kernels import fused_linear, quant, quant_linear
 from tests import test_sampling_engines as sampling
@@ -65,8 +66,14 @@ def fresh_compiles():
     jax.clear_caches()
 
 
+# the default run: both models quantized; one of them alone is the same code paths (slow)
 @pytest.mark.parametrize(
-    "target_fmt, draft_fmt", [("int4", None), (None, "int8"), ("int8", "int4")]
+    "target_fmt, draft_fmt",
+    [
+        ("int8", "int4"),
+        pytest.param("int4", None, marks=pytest.mark.slow),
+        pytest.param(None, "int8", marks=pytest.mark.slow),
+    ],
 )
 def test_chain_and_tree_return_the_quantized_targets_greedy_tokens(target_fmt, draft_fmt):
     target, draft, ps = pair(1, target_fmt, draft_fmt)
@@ -78,18 +85,37 @@ def test_chain_and_tree_return_the_quantized_targets_greedy_tokens(target_fmt, d
     assert chain.stats["acceptance_length"] > 1.0  # the draft agrees sometimes: a real test
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self-streaming", "self-snapkv"])
-def test_draft_kinds_of_a_quantized_target_return_its_greedy_tokens(kind):
+KINDS = ("ngram", "self-streaming", "self-snapkv", "feature")
+
+
+def test_draft_kinds_of_a_quantized_target_return_its_greedy_tokens():
+    """Each draft kind over one int4 target (Q4_1-style offsets), its reference computed once:
+    prompt lookup, the streaming and SnapKV self-drafts (magicdec), and a feature head, which
+    reads the target's states and shares its embedding and LM head (dequantized for the head)."""
     target, _, _ = pair(2, "int4", None)
     ps = tiny.prompts(2, lengths=(40, 5, 23))  # longer than the sparse budget, and shorter
     ref = jaxspec.generate(target, ps, max_new_tokens=NEW).tokens
-    method = "magicdec" if kind == "self-snapkv" else "chain"
-    opts = dict(budget=20, gamma=2) if kind != "ngram" else dict(gamma=3)
-    r = jaxspec.generate(target, ps, draft=kind, method=method, max_new_tokens=NEW, **opts)
+    for kind in KINDS:
+        draft = random_head(target) if kind == "feature" else kind
+        method = "magicdec" if kind == "self-snapkv" else "chain"
+        opts = dict(budget=20, gamma=2) if kind.startswith("self") else dict(gamma=3)
+        r = jaxspec.generate(target, ps, draft=draft, method=method, max_new_tokens=NEW, **opts)
+        assert r.tokens == ref, kind
+
+
+@pytest.mark.slow
+def test_a_feature_head_of_a_quantized_target_in_a_tree():
+    target, _, ps = pair(6, "int8", None)
+    ref = jaxspec.generate(target, ps, max_new_tokens=NEW).tokens
+    r = jaxspec.generate(
+        target, ps, draft=random_head(target), method="tree", max_new_tokens=NEW, **TREE
+    )
     assert r.tokens == ref
 
 
-@pytest.mark.parametrize("method", ["magicdec", pytest.param("swiftspec", marks=pytest.mark.slow)])
+# magicdec with a quantized target runs in the default run above (self-snapkv)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["magicdec", "swiftspec"])
 def test_magicdec_and_swiftspec_with_both_models_quantized(method):
     target, draft, ps = pair(3, "int8", "int4", num_heads=4, num_kv_heads=4, vocab_size=64)
     ps = ps[:2]
@@ -118,8 +144,13 @@ def test_the_quantized_model_is_the_dequantized_model():
     assert not Q.is_quantized_model(dense)
     got, want = np.asarray(target.logits(ps[0])), np.asarray(dense.logits(ps[0]))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+def test_the_quantized_model_generates_the_dequantized_models_tokens():
+    target, _, ps = pair(5, "int4", None, tie_word_embeddings=True)
     assert jaxspec.generate(target, ps, max_new_tokens=NEW).tokens == (
-        jaxspec.generate(dense, ps, max_new_tokens=NEW).tokens
+        jaxspec.generate(Q.dequantize_model(target), ps, max_new_tokens=NEW).tokens
     )
 
 

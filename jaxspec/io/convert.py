@@ -3,8 +3,10 @@ The readers are ``jaxspec.io.hf`` and ``jaxspec.io.gguf``; this module writes an
 
 A converted checkpoint is a folder::
 
-    config.json    ModelConfig.to_json()
-    params/        Orbax checkpoint of the nested parameter dict (layer keys as strings)
+    config.json    ModelConfig.to_json(), the stored dtype and, for a quantized model,
+                   "quantization": {"method": ..., "tensors": {path: format}}
+    params/        Orbax checkpoint of the nested parameter dict (layer keys as strings); a
+                   quantized weight is a dict of its codes, scales and mins
     tokenizer/     the tokenizer, saved with ``save_pretrained`` (absent if the source had none)
 
 ``convert`` writes it atomically: everything goes into a temporary folder beside ``dst`` that is
@@ -20,6 +22,7 @@ import os
 import pathlib
 import shlex
 import shutil
+import sys
 from collections.abc import Iterator
 
 import jax
@@ -30,13 +33,16 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, JaxspecError, OptionError
 from jaxspec.io.gguf import GGUFSource
 from jaxspec.io.hf import hf_reader, load_tokenizer
 from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
+from jaxspec.model import quantized as Q
 from jaxspec.model.sharding import param_specs
-from jaxspec.model.transformer import Model, abstract_model
+from jaxspec.model.transformer import Model
+from pallas_kernels import quant
+from pallas_kernels.quant import QuantizedWeight
 
 PathLike = str | os.PathLike
 
@@ -44,19 +50,32 @@ PathLike = str | os.PathLike
 # ----------------------------------------------------------------------------- convert
 
 
+QUANTIZE = ("source", "none", "int8", "int4")
+INT4_GROUP = 128  # gpt-fast's and AWQ's default group size
+
+
 def convert(
     src: PathLike,
     dst: PathLike,
     *,
     dtype: str | type | np.dtype = "bfloat16",
+    quantize: str | None = "source",
+    group_size: int | None = None,
     progress: bool = True,
     overwrite: bool = False,
     tokenizer: bool = True,
 ) -> pathlib.Path:
     """Convert an HF folder (safetensors) or a ``.gguf`` file into an Orbax checkpoint at ``dst``.
 
-    ``dtype`` is the stored parameter dtype. ``overwrite`` replaces an existing ``dst`` that is
-    a jaxspec checkpoint or draft (nothing else: not the source, not a folder holding it, not a
+    ``dtype`` is the stored dtype of float parameters and the compute dtype of quantized ones.
+    ``quantize``: ``"source"`` (default) keeps the source's quantization: GGUF Q8_0 / Q4_0 /
+    Q4_1 blocks and AWQ weights stay quantized (other GGUF types are dequantized, with a note
+    saying so); ``"none"`` (or None) dequantizes everything; ``"int8"`` quantizes the
+    projections and LM head (the source's weights, dequantized first if they are quantized)
+    symmetrically, a scale per output channel (or per ``group_size`` input rows); ``"int4"``
+    the same in groups of ``group_size`` rows (default 128), which must divide every layer's
+    input width (else ``OptionError``). ``overwrite`` replaces an existing ``dst`` that is a
+    jaxspec checkpoint or draft (nothing else: not the source, not a folder holding it, not a
     folder with other files), by an atomic swap once the new checkpoint is complete.
     ``tokenizer=False`` skips the tokenizer.
     Returns the absolute path of the checkpoint.
@@ -64,6 +83,7 @@ def convert(
     src = pathlib.Path(src).expanduser()
     dst = pathlib.Path(dst).expanduser().absolute()
     np_dtype = _np_dtype(dtype)
+    quantize, group_size = _quantize_option(quantize, group_size)
     if not src.exists():
         raise CheckpointError(
             f"no checkpoint at {src}; give an HF model folder (config.json + *.safetensors) "
@@ -89,20 +109,70 @@ def convert(
             unit="tensor",
             disable=not progress,
         )
+        keep = quantize == "source"
         with bar:
-            tree = hf_to_tree(_counted(reader.tensors(cfg), bar, check), cfg, np_dtype)
+            tensors = _counted(reader.tensors(cfg, keep=keep), bar, check)
+            tree = hf_to_tree(tensors, cfg, np_dtype, _quantizer(quantize, group_size, cfg))
+        if keep and getattr(reader, "dequantized", None):
+            _note_dequantized(src, reader.dequantized, np_dtype)
         tok = reader.tokenizer() if tokenizer else None
         check()
-        _save_params(tmp / "params", tree)
+        fmts = Q.formats(tree)
+        _save_params(tmp / "params", Q.storable(tree))
         del tree
         # ModelConfig's fields plus the stored dtype (ModelConfig.from_json ignores extra keys)
         meta = {**json.loads(cfg.to_json()), "dtype": np_dtype.name}
+        if fmts:
+            method = quantize if quantize != "source" else ("awq" if src.is_dir() else "gguf")
+            meta["quantization"] = {"method": method, "tensors": fmts}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         if tok is not None:
             tok.save_pretrained(str(tmp / "tokenizer"))
         check()
         _move_into_place(tmp, dst)
     return dst
+
+
+def _quantize_option(quantize, group_size) -> tuple[str, int | None]:
+    quantize = "none" if quantize is None else quantize
+    if quantize not in QUANTIZE:
+        raise OptionError(f"quantize must be one of {', '.join(QUANTIZE)}; got {quantize!r}.")
+    if group_size is not None:
+        if quantize not in ("int8", "int4"):
+            raise OptionError(
+                f"group_size applies to quantize='int8' or 'int4', not {quantize!r}; drop it or "
+                "choose int8 / int4."
+            )
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+            raise OptionError(f"group_size must be an integer >= 2, got {group_size!r}.")
+    if quantize == "int4" and group_size is None:
+        group_size = INT4_GROUP
+    return quantize, group_size
+
+
+def _quantizer(quantize: str, group: int | None, cfg: ModelConfig):
+    """``hf_to_tree``'s ``quantize`` hook for ``int8`` / ``int4`` (None otherwise)."""
+    if quantize not in ("int8", "int4"):
+        return None
+    bits = int(quantize[3:])
+
+    def one(path: tuple, arr: np.ndarray):
+        if not Q.quantizable(path, cfg):
+            return arr
+        name, transpose = Q.path_name(path), path == Q.EMBEDDING
+        w = Q.quantize_array(name, np.asarray(arr, np.float32), bits, group, transpose)
+        return jax.tree.map(np.asarray, w)  # host arrays, as the rest of the tree
+
+    return one
+
+
+def _note_dequantized(src: pathlib.Path, kinds, dtype: np.dtype) -> None:
+    what = ", ".join(f"{n} in {k}" for k, n in sorted(kinds.items()))
+    print(
+        f"note: {src.name}: {what} tensor(s) dequantized to {dtype.name}: jaxspec keeps Q8_0, "
+        "Q4_0 and Q4_1 blocks quantized, and no other type.",
+        file=sys.stderr,
+    )
 
 
 # What a folder written by ``convert`` (or by ``distill``, a draft) may hold: ``--overwrite``
@@ -247,21 +317,69 @@ def _int_keys(tree):
 # ----------------------------------------------------------------------------- load
 
 
+# Whether ``load`` keeps a quantized checkpoint's weights quantized, by backend (else it
+# dequantizes them once). CPU: kept. The real SmolLM2-135M Q4_1, autoregressive, B=1, 64 tokens
+# (benchmarks/results/quantized.json, section "cpu", one run on a shared 2-core CPU): 13.1 tok/s
+# kept quantized against 8.3 dequantized to float32, 17.0 against 10.5 in bfloat16: XLA's CPU
+# dots read the packed codes and scales, fewer bytes than the float weights.
+# GPU: kept, so the dequantizing kernels read the packed bytes; PENDING the H200 run of
+# benchmarks/gpu/quantized.sh ("real_q4_1_over_bf16_tok_per_s" and the smol steps), which must
+# confirm that it is faster there than bfloat16.
+KEEP_QUANTIZED = {"cpu": True, "gpu": True}
+
+
 def load(
     path: PathLike,
     *,
     dtype: str | type | np.dtype | None = None,
     mesh: Mesh | None = None,
+    quantized: bool | None = None,
 ) -> Model:
     """Load a converted checkpoint: onto the default device, or sharded over ``mesh``.
 
     With a mesh, attention heads, the MLP width and the vocabulary are split over its ``"tp"``
-    axis (see ``jaxspec.model.sharding``); every array is restored directly into its shards.
-    ``dtype`` casts the parameters (default: the stored dtype).
+    axis (see ``jaxspec.model.sharding``, which lays out quantized weights too); every array is
+    restored directly into its shards. ``dtype`` casts the float parameters and is the compute
+    dtype of quantized ones (default: the stored dtype). ``quantized``: keep a quantized
+    checkpoint's weights quantized (True) or dequantize them once, here (False); None: this
+    backend's ``KEEP_QUANTIZED``.
     """
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(path).expanduser().absolute()
+    cfg, stored, fmts = _read_checkpoint(path)
+    params_dir = path / "params"
+    dtype = stored if dtype is None else dtype
+    jdtype = None if dtype is None else jnp.dtype(_np_dtype(dtype))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            if jdtype is None:  # an old checkpoint without its dtype: its first leaf's
+                meta = ckptr.metadata(params_dir)
+                meta = getattr(meta, "item_metadata", meta)
+                jdtype = jnp.dtype(jax.tree.leaves(getattr(meta, "tree", meta))[0].dtype)
+            graphdef, state = Q.abstract_params(cfg, jdtype, fmts)
+            template = _template(nnx.to_pure_dict(state), cfg, jdtype, mesh)
+            restored = ckptr.restore(params_dir, _str_keys(Q.storable(template)))
+    except JaxspecError:  # a mesh that does not fit the model (DeviceError): said as it is
+        raise
+    except Exception as e:  # Orbax / tensorstore raise ValueError, FileNotFoundError, ...
+        raise _corrupt(params_dir, e) from None
+    pure = Q.from_storable(_int_keys(restored), template)
+    keep = KEEP_QUANTIZED.get(jax.default_backend(), True) if quantized is None else quantized
+    if fmts and not keep:
+        pure = Q.dequantize_params(pure, jdtype)
+        if mesh is not None:  # laid out as the float model is
+            pure = jax.device_put(pure, param_specs(cfg, mesh))
+    nnx.replace_by_pure_dict(state, pure)
+    tok = None
+    if (path / "tokenizer").is_dir():
+        tok = load_tokenizer(str(path / "tokenizer"))
+    return Model(cfg, graphdef, state, tok, name=path.name)
+
+
+def _read_checkpoint(path: pathlib.Path) -> tuple[ModelConfig, str | None, dict]:
+    """(config, stored dtype, quantized formats) of the checkpoint folder ``path``, or the
+    CheckpointError that says what it is instead and what to do."""
     if path.is_file() and path.suffix.lower() == ".gguf":
         raise _convert_first(path, "a GGUF file")
     if _is_hf_folder(path):
@@ -279,48 +397,42 @@ def load(
     try:
         text = (path / "config.json").read_text()
         cfg = ModelConfig.from_json(text)
-        stored = json.loads(text).get("dtype")
+        meta = json.loads(text)
+        fmts = dict((meta.get("quantization") or {}).get("tensors") or {})
+        bad = [name for name, f in fmts.items() if not {"bits", "group", "scales"} <= set(f)]
+        if bad:
+            raise KeyError(f"the quantization format of {bad[0]} is incomplete")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise CheckpointError(
             f"{path / 'config.json'} is not a valid jaxspec config ({e}); convert the model again."
         ) from None
-    params_dir = path / "params"
-    if not params_dir.is_dir():
+    if not (path / "params").is_dir():
         raise CheckpointError(
             f"{path} has no params/ folder; the conversion did not finish or the files were "
             "moved. Convert the model again."
         )
-    if mesh is None:
-        shardings = None
-        device = SingleDeviceSharding(jax.devices()[0])
-    else:
-        shardings = param_specs(cfg, mesh)
-        device = None
+    return cfg, meta.get("dtype"), fmts
 
-    if dtype is None:
-        dtype = stored
-    jdtype = None if dtype is None else jnp.dtype(_np_dtype(dtype))
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            if jdtype is None:
-                meta = ckptr.metadata(params_dir)
-                meta = getattr(meta, "item_metadata", meta)
-                jdtype = jnp.dtype(jax.tree.leaves(getattr(meta, "tree", meta))[0].dtype)
-            graphdef, state = abstract_model(cfg, jdtype)
-            target = jax.tree_util.tree_map_with_path(
-                lambda p, x: jax.ShapeDtypeStruct(
-                    x.shape, jdtype, sharding=device if shardings is None else _at(shardings, p)
-                ),
-                nnx.to_pure_dict(state),
-            )
-            restored = ckptr.restore(params_dir, _str_keys(target))
-    except Exception as e:  # Orbax / tensorstore raise ValueError, FileNotFoundError, ...
-        raise _corrupt(params_dir, e) from None
-    nnx.replace_by_pure_dict(state, _int_keys(restored))
-    tok = None
-    if (path / "tokenizer").is_dir():
-        tok = load_tokenizer(str(path / "tokenizer"))
-    return Model(cfg, graphdef, state, tok, name=path.name)
+
+def _template(pure: dict, cfg: ModelConfig, dtype, mesh: Mesh | None) -> dict:
+    """The restore template: every parameter of the abstract nested dict ``pure`` as a
+    ``jax.ShapeDtypeStruct`` with its final sharding (float ones in ``dtype``; a quantized
+    weight's codes, scales and mins in their stored dtypes)."""
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, pure)
+    else:
+        shardings = param_specs(cfg, mesh, pure)
+
+    def one(x, sharding):
+        if not quant.is_quantized(x):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
+        mins = None if x.mins is None else x.mins.dtype
+        return QuantizedWeight.abstract(
+            x.bits, x.group, dtype, *x.shape, x.scales.dtype, mins, sharding=sharding
+        )
+
+    return jax.tree.map(one, pure, shardings, is_leaf=quant.is_quantized)
 
 
 def _is_hf_folder(path: pathlib.Path) -> bool:
@@ -355,10 +467,3 @@ def _corrupt(params_dir: pathlib.Path, e: Exception) -> CheckpointError:
         "checkpoint is corrupt, incomplete or was written for another config. Convert the "
         "model again."
     )
-
-
-def _at(tree, path):
-    node = tree
-    for k in path:
-        node = node[getattr(k, "key", getattr(k, "idx", k))]
-    return node

@@ -25,6 +25,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
 from jaxspec.io import places
 from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
+from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, Network, abstract_model
 
 FORMAT = "jaxspec-draft/1"
@@ -34,7 +35,9 @@ PathLike = str | os.PathLike
 
 
 def _shared_arrays(model: Model) -> dict[str, np.ndarray]:
-    pure = nnx.to_pure_dict(model.params)
+    """The embedding ``[V, D]`` and LM head of ``model`` as float arrays (a quantized target's
+    dequantized: the same target, whether it is loaded quantized or not)."""
+    pure = dequantize_params(nnx.to_pure_dict(model.params))
     out = {"embed_tokens": pure["embed_tokens"]}
     if "lm_head" in pure and pure["lm_head"] is not None:
         out["lm_head"] = pure["lm_head"]["kernel"]

@@ -1,8 +1,11 @@
 """GGUF files: llama.cpp's tensor names and metadata as a ``ModelConfig``, its q/k row
-permutation undone, llama3 RoPE scaling recovered from ``rope_freqs``, the tokenizer."""
+permutation undone, llama3 RoPE scaling recovered from ``rope_freqs``, the tokenizer, and the
+Q8_0 / Q4_0 / Q4_1 blocks read as ``QuantizedWeight``s (every other type is dequantized by the
+``gguf`` package)."""
 
 from __future__ import annotations
 
+import collections
 import math
 import pathlib
 from collections.abc import Iterator
@@ -12,6 +15,16 @@ import numpy as np
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.errors import CheckpointError
 from jaxspec.io.hf import load_tokenizer
+from pallas_kernels.quant import QuantizedWeight
+
+# The block types kept quantized: (bits, float16 header fields). llama.cpp's ggml-common.h:
+# block_q8_0 {ggml_half d; int8_t qs[32]}, block_q4_0 {ggml_half d; uint8_t qs[16]},
+# block_q4_1 {ggml_half d; ggml_half m; uint8_t qs[16]}; a block covers 32 elements of a row,
+# and a 4-bit byte qs[j] holds elements j (low nibble) and j + 16 (high): the layout of
+# ``QuantizedWeight``'s 4-bit codes, so they are kept as they are.
+BLOCKS = {"Q8_0": (8, 1), "Q4_0": (4, 1), "Q4_1": (4, 2)}
+BLOCK = 32
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -153,7 +166,10 @@ class GGUFSource:
         except NotImplementedError:
             raise CheckpointError(
                 f"{self.path}: tensor {t.name} uses the quantization {t.tensor_type.name}, "
-                "which the gguf package cannot dequantize; use another quantization."
+                "which jaxspec cannot read: it keeps Q8_0, Q4_0 and Q4_1 quantized and "
+                "dequantizes the other types the gguf package reads (K-quants, IQ types, F16, "
+                f"...), not {t.tensor_type.name}. Use a GGUF of another quantization (e.g. "
+                "re-quantize it with llama.cpp's llama-quantize to Q8_0 or Q4_1)."
             ) from None
         except Exception as e:
             raise CheckpointError(
@@ -161,21 +177,61 @@ class GGUFSource:
                 "file is corrupt or truncated."
             ) from None
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(
+        self, cfg: ModelConfig, keep: bool = False
+    ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+        """(HF name, tensor) pairs: float arrays in HF's ``[out, in]`` orientation or, with
+        ``keep``, a Q8_0 / Q4_0 / Q4_1 weight as a ``QuantizedWeight`` ``[in, out]`` (an
+        embedding ``[D, V]``). ``self.dequantized`` counts, by type, the weights ``keep`` could
+        not keep."""
+        self.dequantized = collections.Counter()
         for t in self.reader.tensors:
             name = _hf_name(t.name)
             if name is None:
                 continue
-            arr = self._dequantize(t)
-            if self.permuted and (".attn_q." in t.name or ".attn_k." in t.name):
-                n = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-                if arr.shape[0] % (2 * n):
-                    raise CheckpointError(
-                        f"{self.path}: tensor {t.name} has {arr.shape[0]} rows, not a multiple "
-                        f"of 2 x {n} heads; the file does not match its metadata."
-                    )
-                arr = unpermute_qk(arr, n)
-            yield name, arr
+            kind = t.tensor_type.name
+            if keep and kind in BLOCKS and len(t.shape) == 2:
+                yield name, self._blocks(t, cfg)
+                continue
+            if keep and kind not in FLOAT_TYPES and len(t.shape) == 2:
+                self.dequantized[kind] += 1
+            yield name, self._rows(t, self._dequantize(t), cfg)
+
+    def _rows(self, t, rows: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        """``rows`` (a tensor's rows, or per-row block fields) with llama.cpp's q/k permutation
+        undone."""
+        if not (self.permuted and (".attn_q." in t.name or ".attn_k." in t.name)):
+            return rows
+        n = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+        if rows.shape[0] % (2 * n):
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name} has {rows.shape[0]} rows, not a multiple "
+                f"of 2 x {n} heads; the file does not match its metadata."
+            )
+        return unpermute_qk(rows, n)
+
+    def _blocks(self, t, cfg: ModelConfig) -> QuantizedWeight:
+        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks as a ``QuantizedWeight`` (codes and float16
+        scales as stored; transposed to ``[in, out]``)."""
+        bits, halves = BLOCKS[t.tensor_type.name]
+        k, n = (int(x) for x in t.shape)  # ggml order: [in (the block axis), out]
+        size = 2 * halves + BLOCK * bits // 8
+        data = np.asarray(t.data)
+        if k % BLOCK or data.dtype != np.uint8 or data.size != n * (k // BLOCK) * size:
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name} ({t.tensor_type.name}, shape {k} x {n}) has "
+                f"{data.size} bytes of blocks, expected {n * (k // BLOCK) * size}; the file is "
+                "truncated or corrupt. Re-download it."
+            )
+        blocks = data.reshape(n, k // BLOCK, size)
+        fields = [
+            blocks[..., 2 * i : 2 * i + 2].copy().view(np.float16)[..., 0] for i in range(halves)
+        ]
+        codes = blocks[..., 2 * halves :].reshape(n, -1)
+        codes = codes.view(np.int8) if bits == 8 else codes
+        codes, *fields = (self._rows(t, a, cfg) for a in (codes, *fields))
+        mins = fields[1].T.copy() if halves == 2 else None
+        return QuantizedWeight(codes.T.copy(), fields[0].T.copy(), mins, bits, BLOCK, "float32")
 
     def tokenizer(self):
         if "tokenizer.ggml.tokens" not in self.reader.fields:

@@ -1,5 +1,5 @@
-"""HF model folders: the safetensors reader (memory-mapped, validated up front) and the
-tokenizer beside the weights."""
+"""HF model folders: the safetensors reader (memory-mapped, validated up front), AWQ weights
+(``jaxspec.io.awq``) and the tokenizer beside the weights."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.io import awq
+from pallas_kernels.quant import QuantizedWeight
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -129,22 +131,35 @@ class HFSource:
     def __init__(self, folder: pathlib.Path, files: list[pathlib.Path]):
         self.folder = folder
         self.files = [_SafetensorsFile(p) for p in files]
+        self.awq = False  # set by config(): whether the weights are AWQ
+        self.group = None  # AWQ's group size (None: a weight's whole input)
+        self.dequantized = {}
 
     def config(self) -> ModelConfig:
+        where = self.folder / "config.json"
         try:
-            hf = json.loads((self.folder / "config.json").read_text())
+            hf = json.loads(where.read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"{self.folder / 'config.json'} is not valid JSON ({e}); re-download it."
-            ) from None
+            raise CheckpointError(f"{where} is not valid JSON ({e}); re-download it.") from None
         if not isinstance(hf, dict):
-            raise CheckpointError(f"{self.folder / 'config.json'} is not a JSON object.")
+            raise CheckpointError(f"{where} is not a JSON object.")
+        qc = hf.get("quantization_config")
+        if qc is not None:
+            self.awq, self.group = True, awq.group_size(qc if isinstance(qc, dict) else {}, where)
         return ModelConfig.from_hf(hf)
 
     def num_tensors(self) -> int:
         return sum(len(f.entries) for f in self.files)
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(
+        self, cfg: ModelConfig, keep: bool = False
+    ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+        """(HF name, tensor) pairs; an AWQ module's three tensors as one weight: with ``keep`` a
+        ``QuantizedWeight`` ``[in, out]``, else dequantized (HF's ``[out, in]``)."""
+        pairs = self._arrays()
+        return awq.tensors(pairs, self.group, keep) if self.awq else pairs
+
+    def _arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         for f in self.files:
             for name in f.entries:
                 try:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
+from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, param_shapes
 
 _CLASSES = {
@@ -70,9 +71,10 @@ def hf_config(cfg: ModelConfig):
 
 
 def state_dict(model: Model) -> dict[str, np.ndarray]:
-    """HF tensor name -> float32 array, for every parameter of ``model``."""
+    """HF tensor name -> float32 array, for every parameter of ``model`` (quantized weights
+    dequantized: the float model they stand for)."""
     cfg = model.config
-    pure = nnx.to_pure_dict(model.params)
+    pure = dequantize_params(nnx.to_pure_dict(model.params))
     out: dict[str, np.ndarray] = {}
     for path in param_shapes(cfg):
         node = pure

@@ -1,15 +1,21 @@
-"""HF tensor names -> jaxspec parameter tree. Shared by the safetensors and GGUF converters."""
+"""HF tensor names -> jaxspec parameter tree. Shared by the safetensors and GGUF converters.
+
+A tensor is a float array in HF's orientation, or a ``QuantizedWeight`` that a reader kept
+quantized, already in ours (``[in, out]``; an embedding ``[D, V]``, see
+``jaxspec.model.quantized``)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.model.quantized import EMBEDDING
 from jaxspec.model.transformer import param_shapes
+from pallas_kernels import quant
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # HF Linear weights are [out, in]; our kernels are [in, out].
@@ -58,10 +64,18 @@ def _unsupported_bias(name: str, module: str) -> CheckpointError:
     )
 
 
-def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict:
-    """Build the nested parameter dict from (HF name, array) pairs, checking every shape."""
+def hf_to_tree(
+    tensors: Iterable[tuple[str, object]],
+    cfg: ModelConfig,
+    dtype,
+    quantize: Callable[[tuple, np.ndarray], object] | None = None,
+) -> dict:
+    """Build the nested parameter dict from (HF name, tensor) pairs, checking every shape.
+    Float arrays are cast to ``dtype``; quantized weights keep their codes and scales and
+    compute in ``dtype``. ``quantize(path, array)``, where given, quantizes float arrays (or
+    returns them) before the cast."""
     want = param_shapes(cfg)
-    flat: dict[tuple, np.ndarray] = {}
+    flat: dict[tuple, object] = {}
     for name, arr in tensors:
         found = param_path(name)
         if found is None:
@@ -71,14 +85,20 @@ def hf_to_tree(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, dtyp
             continue
         if path not in want and path[-1] == "bias":
             raise _unsupported_bias(name, path[-2])
-        arr = np.asarray(arr)
-        arr = arr.T if transpose else arr
-        if path not in want or tuple(arr.shape) != want[path]:
+        if quant.is_quantized(arr):  # in our orientation already; an embedding as [D, V]
+            shape = arr.shape[::-1] if path == EMBEDDING else arr.shape
+        else:
+            arr = np.asarray(arr)
+            arr = arr.T if transpose else arr
+            shape = arr.shape
+        if path not in want or tuple(shape) != want[path]:
             raise CheckpointError(
-                f"tensor {name} has shape {tuple(arr.shape)}, expected "
+                f"tensor {name} has shape {tuple(shape)}, expected "
                 f"{want.get(path, 'no such tensor')} for this config; the checkpoint is corrupt "
                 "or its config.json does not match its weights."
             )
+        if quantize is not None and not quant.is_quantized(arr):
+            arr = quantize(path, arr)
         flat[path] = arr.astype(dtype)
     missing = [".".join(map(str, p)) for p in want if p not in flat]
     if missing:

@@ -36,6 +36,7 @@ from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import Block, KVCache
 from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
+from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
 from pallas_kernels import quant
 
@@ -146,9 +147,12 @@ def abstract_head(cfg: ModelConfig, dtype=jnp.float32):
 
 
 def shared_of(target: Model) -> dict:
-    """The target's arrays a head uses as its own (embedding, LM head), as a pure dict."""
+    """The target's arrays a head uses as its own (embedding, LM head), as a pure dict; a
+    quantized target's dequantized to its compute dtype (the head indexes and multiplies them
+    as float arrays: a float copy of the embedding, the price of a quantized target's head)."""
     pure = nnx.to_pure_dict(target.params)
-    return {k: pure[k] for k in ("embed_tokens", "lm_head") if pure.get(k) is not None}
+    shared = {k: pure[k] for k in ("embed_tokens", "lm_head") if pure.get(k) is not None}
+    return dequantize_params(shared, target.dtype)
 
 
 def head_model(target: Model, cfg: ModelConfig, own: dict, name: str) -> FeatureModel:

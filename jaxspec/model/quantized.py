@@ -82,7 +82,7 @@ def check_group(name: str, k: int, bits: int, group: int | None) -> None:
     if problem:
         ok = [g for g in (32, 64, 128, 256) if not quant.group_problem(bits, g, k)]
         raise OptionError(
-            f"--group-size {group} does not divide the {k} input rows of {name} ({problem}); "
+            f"group_size {group} does not divide the {k} input rows of {name} ({problem}); "
             f"use a group size that divides every layer's input width"
             + (f", such as {' or '.join(map(str, ok))}." if ok else ".")
         )

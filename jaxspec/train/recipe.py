@@ -15,6 +15,7 @@ import optax
 from jaxspec.errors import OptionError
 from jaxspec.io.draft_checkpoint import _assemble, _pure, _trainable, draft_config
 from jaxspec.kernels import KernelConfig
+from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, abstract_model, full_logits, new_model
 from jaxspec.train.data import DataSpec
 
@@ -133,14 +134,14 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
 
 
 def init_draft(target: Model, recipe: Recipe) -> dict:
-    """The draft's trainable weights (float32 pure dict): copied target layers or random."""
+    """The draft's trainable weights (float32 pure dict): copied target layers (a quantized
+    target's dequantized) or random."""
     cfg = draft_config(target.config, recipe.layers, recipe.intermediate)
+    tp = dequantize_params(_pure(target.params))
     if recipe.init == "random":
         pure = _pure(new_model(cfg, seed=recipe.seed).params)
-        tp = _pure(target.params)
         pure["norm"] = tp["norm"]
         return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _trainable(pure))
-    tp = _pure(target.params)
     n_t = target.config.num_layers
     if recipe.init == "copy-spread":
         picks = np.linspace(0, n_t - 1, recipe.layers).round().astype(int).tolist()

@@ -1,0 +1,310 @@
+"""Quantized weights (issue 22): decode steps against the bf16 step of the same run and against
+their own HBM floor, the dequantizing kernel's tiles, and the real SmolLM2-135M Q4_1 kept
+quantized against dequantized.
+
+    python benchmarks/bench_quantized.py --out quantized.json              # every section
+    python benchmarks/bench_quantized.py --sections real --out cpu.json    # what runs on a CPU
+    python benchmarks/bench_quantized.py --smoke                           # tiny shapes (CPU)
+
+Sections, in this order (each appends to ``--out`` as it ends; past ``--budget-s`` the rest is
+skipped and says so):
+
+- ``check``: a 4-layer SmolLM2-shape model in float32, its projections Q4_1-style: greedy tokens
+  with the GPU defaults (dequantizing split-K projection kernels) equal the XLA path's
+  (``quant_matmul="xla"``, no fused kernels), and the dequantizing kernel's products equal
+  dequantize-then-matmul for int8 / int4 (max relative error).
+- ``sweep``: ``qmatmul`` alone on Llama-3-8B's gate/up (4096 x 14336) and down (14336 x 4096)
+  projections, 8 rows (the model pads a decode step's stream to 8 on a GPU), int8 and int4, for
+  each tile of ``TILES``: microseconds and GB/s of the bytes read; the tile with the least total
+  time per bits is the one ``steps`` uses.
+- ``steps``: ``bench_decode_gpu.run_case`` (one jitted loop of decode steps, cache donated) on
+  Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128); then the
+  SmolLM2-135M shape at B=1, 1K: bf16 and its GGUF layout (Q4_1 layers, Q8_0 embedding). The
+  floor is the bytes as stored (codes, scales, mins) plus the K/V in view, over 4.3 TB/s.
+- ``real``: the real SmolLM2-135M-Instruct (its GGUF: ``JAXSPEC_DEFAULT_GGUF`` or the installed
+  package), autoregressive ``generate()`` of ``--new`` tokens at B=1 on a chat prompt, kept
+  quantized against dequantized at load (bf16 on a GPU; float32 and bf16 on a CPU).
+
+The JSON keeps one section per device, ``gpu`` and ``cpu`` (a run replaces its own and keeps
+the other's: the GPU runner starts from the committed file). On top: the metadata of the last
+run, the GPU section's ``int8_over_bf16_8b`` and ``int4_over_bf16_8b`` (step-time ratios of one
+run), ``int8_of_floor_8b`` / ``int4_of_floor_8b`` (floor over step), ``smol_q4_1_over_bf16``
+(the random-weight SmolLM2 step) and ``real_q4_1_over_bf16_tok_per_s`` (the real model kept
+quantized over dequantized to bf16), and ``rows``: every measurement of both sections with its
+float baseline of the same run beside it (steps: kernels per layer too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_decode_gpu import SHAPES, Case, quantized_twin, run_case
+from benchmarks.common import metadata
+from jaxspec.api import generate
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint
+from jaxspec.kernels import KernelConfig
+from jaxspec.model.transformer import new_model
+from jaxspec.timing import loop_ms, repeat
+from pallas_kernels import quant, quant_linear
+
+SECTIONS = ("check", "sweep", "steps", "real")
+# (BN, BK, K splits, warps, stages): the kernel's default first (quant_linear.BN, BK, ...), then
+# wider tiles, a longer K loop, and one split only (no partial sums for XLA to add: the kernel
+# count of the bf16 step, whose GEMMs write finished products)
+TILES = (
+    (64, 256, None, 4, 3),
+    (128, 256, None, 4, 3),
+    (64, 512, None, 4, 4),
+    (32, 256, 1, 4, 3),
+    (64, 256, 1, 4, 3),
+)
+NO_SPLIT_WITHIN = 1.10  # a one-split tile within 10% of the fastest is taken instead
+SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
+STEP_CASES = ("8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4")
+SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1")
+SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1")
+PROMPT = "Write a Python function that checks whether a number is prime."
+GB = 1e9
+
+
+def check(smoke: bool) -> dict:
+    """The GPU defaults decode a quantized model as the XLA path does (float32), and the
+    dequantizing kernel multiplies as dequantize-then-matmul does."""
+    shape = SHAPES["smoke" if smoke else "smol"]
+    cfg = dataclasses.replace(shape, num_layers=min(4, shape.num_layers))
+    model = quantized_twin(new_model(cfg, seed=1, dtype=jnp.float32), "q4_1")
+    prompt = [[(7 * i) % cfg.vocab_size + 3 for i in range(40)]]
+    plain = KernelConfig(quant_matmul="xla", fused_linear="off")
+    default = generate(model, prompt, max_new_tokens=16).tokens
+    out = {
+        "tokens_equal_xla_path": default
+        == generate(model, prompt, max_new_tokens=16, kernels=plain).tokens
+    }
+    mode = dict(interpret=jax.default_backend() != "gpu")
+    rng = np.random.default_rng(0)
+    for bits, group in ((8, None), (4, 128)):
+        w = quant.quantize(jnp.asarray(rng.standard_normal((512, 384)), jnp.float32), bits, group)
+        x = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
+        got = jnp.sum(quant_linear.qmatmul(x, w, **mode), axis=0)
+        want = quant_linear.qmatmul_reference(x, w)
+        out[f"int{bits}_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    return out
+
+
+def _qmatmul_us(x, w, tile) -> float:
+    """Microseconds of one ``qmatmul`` (its partials summed) with the tile, back to back."""
+    bn, bk, splits, warps, stages = tile
+    interpret = jax.default_backend() != "gpu"
+
+    def step(s):
+        y = jnp.sum(quant_linear.qmatmul(
+            s, w, interpret=interpret, bn=bn, bk=bk, splits=splits, num_warps=warps,
+            num_stages=stages,
+        ), axis=0)  # fmt: skip
+        return s + (y[:, :1] * 0).astype(s.dtype)  # each call waits for the one before
+
+    run = jax.jit(repeat(step), donate_argnums=0)
+    return 1e3 * loop_ms(run, x, n=16, reps=5)
+
+
+def sweep(smoke: bool) -> dict:
+    """Each tile's time on the sweep shapes, per bits; the fastest tile per bits."""
+    shapes = {"tiny": (256, 512)} if smoke else SWEEP_SHAPES
+    rng = np.random.default_rng(0)
+    rows, best = [], {}
+    for bits, group in ((8, None), (4, 128)):
+        weights = {}
+        for name, (k, n) in shapes.items():
+            dense = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+            weights[name] = quant.quantize(dense, bits, group, scale_dtype=jnp.float16)
+        x = {name: jnp.ones((8, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
+        totals = {}
+        for tile in TILES:
+            try:
+                times = {name: _qmatmul_us(x[name], w, tile) for name, w in weights.items()}
+            except Exception as e:  # a tile Triton cannot compile is a row, not the end
+                rows.append({"bits": bits, "tile": tile, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            nbytes = {name: w.nbytes for name, w in weights.items()}
+            rows.append({
+                "bits": bits, "tile": list(tile), "us": {k: round(v, 2) for k, v in times.items()},
+                "gb_per_s": {k: round(nbytes[k] / GB / (times[k] * 1e-6), 1) for k in times},
+            })  # fmt: skip
+            totals[tile] = sum(times.values())
+        if totals:
+            fastest = min(totals, key=totals.get)
+            whole = [
+                t for t in totals if t[2] == 1 and totals[t] <= NO_SPLIT_WITHIN * totals[fastest]
+            ]
+            best[bits] = list(min(whole, key=totals.get) if whole else fastest)
+    return {"rows": rows, "best_tile": best}
+
+
+def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
+    """``run_case`` of each case; quantized ones with the sweep's tile for their bits."""
+    out = []
+    dtype = jnp.float32 if smoke else jnp.bfloat16
+    base = KernelConfig.from_env()
+    for text in cases:
+        case = Case.parse(text)
+        kernels = base
+        bits = {"int8": 8, "q8_0": 8}.get(case.quant, 4)
+        if case.quant != "bf16" and tiles.get(bits):
+            kernels = dataclasses.replace(base, quant_tile=tuple(tiles[bits]))
+        try:
+            row = run_case(case, 8 if smoke else 32, 2 if smoke else 5, 4.3, dtype, kernels)
+            layers = SHAPES[case.shape].num_layers
+            row["kernels_per_layer"] = round((row["fusion_ops"] + row["custom_calls"]) / layers, 2)
+        except Exception as e:  # a failed case is recorded, the others still run
+            row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out.append(row)
+        print(
+            json.dumps({k: row.get(k) for k in ("case", "ms_per_step", "floor_over_ms", "error")}),
+            flush=True,
+        )
+    return out
+
+
+def _tok_per_s(model, ids, new: int, repeats: int, **kw) -> dict:
+    generate(model, [ids], max_new_tokens=new, **kw)  # compile
+    runs = [generate(model, [ids], max_new_tokens=new, **kw) for _ in range(repeats)]
+    rate = statistics.median(r.stats["tokens_per_s"] for r in runs)
+    return {"tok_per_s": round(rate, 1), "tokens": runs[-1].tokens[0]}
+
+
+def real(new: int, repeats: int) -> dict:
+    """The real SmolLM2 Q4_1, kept quantized against dequantized at load."""
+    gpu = jax.default_backend() == "gpu"
+    with tempfile.TemporaryDirectory() as root:
+        dtypes = ("bfloat16",) if gpu else ("float32", "bfloat16")
+        out = {}
+        for name in dtypes:
+            ckpt = default_checkpoint(root, dtype=name, progress=False)
+            kept, flat = load(ckpt, quantized=True), load(ckpt, quantized=False)
+            ids = kept.tokenizer.apply_chat_template(
+                [{"role": "user", "content": PROMPT}],
+                add_generation_prompt=True, tokenize=True,
+            )  # fmt: skip
+            ids = [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+            for label, model in (("quantized", kept), ("dequantized", flat)):
+                out[f"{name}_{label}"] = _tok_per_s(model, ids, new, repeats)
+            q, d = out[f"{name}_quantized"], out[f"{name}_dequantized"]
+            q["tokens_equal_dequantized"] = q.pop("tokens") == d.pop("tokens")
+    return out
+
+
+def headline(gpu: dict) -> dict:
+    """The top-level ratios, from the GPU section (one run)."""
+    rows = {r["case"]: r for r in gpu.get("steps", []) if "ms_per_step" in r}
+    out = {}
+    for q in ("int8", "int4"):
+        a, b = rows.get(f"8b:1:4096:1:1:{q}"), rows.get("8b:1:4096:1:1")
+        if a and b:
+            out[f"{q}_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
+            out[f"{q}_of_floor_8b"] = a["floor_over_ms"]
+    a, b = rows.get("smol:1:1024:1:1:q4_1"), rows.get("smol:1:1024:1:1")
+    if a and b:
+        out["smol_q4_1_over_bf16"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
+    r = gpu.get("real", {})
+    if "bfloat16_quantized" in r:
+        out["real_q4_1_over_bf16_tok_per_s"] = round(
+            r["bfloat16_quantized"]["tok_per_s"] / r["bfloat16_dequantized"]["tok_per_s"], 3
+        )
+    return out
+
+
+def table_rows(device: str, run: dict) -> list[dict]:
+    """One row per measurement, its float baseline of the same run beside it."""
+    out = []
+    steps_by = {r["case"]: r for r in run.get("steps", []) if "ms_per_step" in r}
+    for r in run.get("steps", []):
+        if "ms_per_step" not in r:
+            out.append({"device": device, "case": r["case"], "error": r.get("error")})
+            continue
+        base = steps_by.get(r["case"].rsplit(":", 1)[0] if r["quant"] != "bf16" else r["case"])
+        out.append({
+            "device": device, "case": r["case"], "weights": r["quant"],
+            "ms_per_step": r["ms_per_step"], "bf16_ms_per_step": base and base["ms_per_step"],
+            "over_bf16": base and round(r["ms_per_step"] / base["ms_per_step"], 3),
+            "floor_ms": r["floor_ms"], "of_floor": r["floor_over_ms"],
+            "kernels_per_layer": r["kernels_per_layer"],
+        })  # fmt: skip
+    real_runs = run.get("real", {})
+    for key, r in real_runs.items():
+        dtype, kept = key.split("_")
+        base = real_runs.get(f"{dtype}_dequantized", {})
+        out.append({
+            "device": device, "case": f"real SmolLM2-135M Q4_1, autoregressive, {dtype}",
+            "weights": "Q4_1 kept" if kept == "quantized" else "dequantized at load",
+            "tok_per_s": r["tok_per_s"], "float_tok_per_s": base.get("tok_per_s"),
+            "over_float": round(r["tok_per_s"] / base["tok_per_s"], 3) if base else None,
+        })  # fmt: skip
+    return out
+
+
+def save(out: pathlib.Path, device: str, run: dict) -> dict:
+    """Write this run as the ``device`` section of ``out``, keeping the other device's section
+    (the GPU runner starts from the committed file), with the headline ratios and the rows of
+    both on top."""
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    sections = {k: old[k] for k in ("cpu", "gpu") if k in old}
+    sections[device] = run
+    meta = {k: run[k] for k in ("date", "device", "jax", "commit", "command") if k in run}
+    rows = [row for d in ("gpu", "cpu") if d in sections for row in table_rows(d, sections[d])]
+    payload = {**meta, **headline(sections.get("gpu", {})), "rows": rows, **sections}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--new", type=int, default=128, help="real: new tokens a call")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in float32 (CPU check)")
+    ap.add_argument("--out", default="benchmarks/results/quantized.json")
+    args = ap.parse_args()
+    start, out = time.perf_counter(), pathlib.Path(args.out)
+    device = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    run = {**metadata(), "command": "python " + " ".join(sys.argv)}
+    tiles, payload = {}, {}
+    for section in [s for s in args.sections.split(",") if s]:
+        if time.perf_counter() - start > args.budget_s:
+            run.setdefault("skipped", []).append(section)
+            continue
+        t0 = time.perf_counter()
+        if section == "check":
+            run["check"] = check(args.smoke)
+        elif section == "sweep":
+            run["sweep"] = sweep(args.smoke)
+            tiles = {int(b): t for b, t in run["sweep"]["best_tile"].items()}
+        elif section == "steps":
+            cases = SMOKE_CASES if args.smoke else STEP_CASES + SMOL_CASES
+            run["steps"] = steps(cases, tiles, args.smoke)
+        elif section == "real":
+            run["real"] = real(args.new, args.repeats)
+        run.setdefault("section_s", {})[section] = round(time.perf_counter() - t0, 1)
+        payload = save(out, device, run)
+        print(f"{section}: {run['section_s'][section]} s", flush=True)
+    shown = {k: v for k, v in payload.items() if k not in ("cpu", "gpu", "rows")}
+    print(json.dumps(shown, indent=2))
+
+
+if __name__ == "__main__":
+    main()
