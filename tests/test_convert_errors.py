@@ -364,7 +364,7 @@ def test_default_checkpoint_converts_once(tmp_path, monkeypatch, gguf_file):
     monkeypatch.setattr(default_model, "default_gguf_path", lambda: gguf_file)
     calls = []
     real = jconvert.convert
-    monkeypatch.setattr(jconvert, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(default_model, "convert", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = default_model.default_checkpoint(tmp_path, progress=False)
     again = default_model.default_checkpoint(tmp_path, progress=False)
     assert first == again == tmp_path / "smollm2-135m-instruct" and len(calls) == 1

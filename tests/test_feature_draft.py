@@ -31,6 +31,7 @@ from jaxspec.model.kv_cache import causal_block, init_cache
 from jaxspec.model.prefill import prefill
 from jaxspec.model.quantized import quantize_model
 from jaxspec.model.transformer import FINAL, apply
+from pallas_kernels import quant
 from tests import tiny
 
 SEEDS = range(8)
@@ -275,10 +276,18 @@ def test_a_head_for_another_hidden_size_is_a_draft_error():
         generate(target, tiny.prompts(0), draft=other, method="chain")
 
 
-def test_a_target_with_a_quantized_embedding_is_a_draft_error():
+def test_a_head_over_a_quantized_target_shares_its_tables_dequantized():
+    """The head indexes and multiplies the target's embedding and LM head as float arrays: a
+    quantized target's are dequantized to its compute dtype (its greedy tokens with such a head:
+    test_quantized_engines)."""
     target = quantize_model(tiny.model(0), 8)
-    with pytest.raises(DraftError, match="quantized"):
-        random_head(target)
+    stored = target.params["lm_head"]["kernel"].get_value()
+    assert quant.is_quantized(stored)
+    head = random_head(target)
+    table = head.params["lm_head"]["kernel"].get_value()
+    assert not quant.is_quantized(table) and table.dtype == target.dtype
+    want = quant.dequantize(stored, target.dtype)
+    np.testing.assert_array_equal(np.asarray(table), np.asarray(want))
 
 
 @pytest.mark.slow

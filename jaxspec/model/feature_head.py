@@ -31,14 +31,13 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig
-from jaxspec.errors import DraftError, OptionError
+from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import Block, KVCache
 from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
 from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
-from pallas_kernels import quant
 
 EAGLE1_READS = (FINAL,)  # the target states an EAGLE-1 head reads
 
@@ -160,11 +159,6 @@ def head_model(target: Model, cfg: ModelConfig, own: dict, name: str) -> Feature
     cast to the target's dtype) over ``target``'s embedding and LM head."""
     dtype = target.dtype
     shared = shared_of(target)
-    if any(quant.is_quantized(x) for x in jax.tree.leaves(shared, is_leaf=quant.is_quantized)):
-        raise DraftError(
-            f"{target.name}'s embedding / LM head is quantized, and a feature draft shares them "
-            "as dense arrays: load the target unquantized to draft with a feature head."
-        )
     graphdef, state = abstract_head(cfg, dtype)
     pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), own), **shared}
     nnx.replace_by_pure_dict(state, pure)
