@@ -109,7 +109,7 @@ def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int):
     cache = init_cache(net.cfg, ids.shape[0], capacity, tflat[0].dtype)
     logits, cache = prefill(net, tflat, cache, ids, lens)
     key, sub = jax.random.split(key)
-    tok = sample(sub, logits, req.sampling)
+    tok = sample(sub, logits, req.sampling, net)
     return cache, tok, first(tok, req), key
 
 

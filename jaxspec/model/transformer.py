@@ -8,7 +8,9 @@ draft-tree expansion are all this one call with different blocks.
 At run time a ``Model`` is split once into (graphdef, parameter state); its leaves are flattened
 once (``Model.flat``), and programs take the flat leaves plus a ``Net``: the static, hashable
 description of the model a program is compiled for (graph, config, resolved ``KernelConfig``,
-leaf structure), hashed once. NNX traversal happens only while tracing.
+leaf structure, tensor-parallel layout), hashed once. NNX traversal happens only while tracing.
+Weights on a tensor-parallel mesh run through GSPMD or, with ``KernelConfig(tensor_parallel=
+"shard_map")``, through the explicit step of ``tensor_parallel`` (the same modules per device).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
-from jaxspec.model import exact
+from jaxspec.model import exact, tensor_parallel
 from jaxspec.model.attention import Attention
 from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
 from jaxspec.model.layers import (
@@ -60,12 +62,15 @@ class DecoderLayer(nnx.Module):
         rows = x.reshape(-1, x.shape[-1])
         return mode if fused_linear.unsupported_reason(rows, *weights) is None else None
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels):
+    def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels, parallel=None):
+        """``parallel``: the explicit tensor-parallel step's ``Collectives`` (None: one device),
+        which sums the row-parallel o_proj's and down's partials over the devices."""
+        reduce = (lambda y: y) if parallel is None else parallel.reduce
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x, kernels), cos, sin, k_cache, v_cache, length, block, kernels
         )
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
+        x = x + reduce(h)
+        x = x + reduce(self.mlp(self.post_attention_layernorm(x, kernels), kernels))
         return x, k_cache, v_cache
 
     def fused(self, x, pending, cos, sin, k_cache, v_cache, length, block, kernels, mode: str):
@@ -124,11 +129,15 @@ class Transformer(nnx.Module):
         block: Block,
         select: Int[Array, "b l"] | None,
         kernels: KernelConfig,
+        parallel: tensor_parallel.Collectives | None = None,
     ) -> tuple[Float[Array, "b l v"], KVCache]:
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
-        with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
+        with this block's K/V written. ``cache.length`` is unchanged: the caller commits.
+        ``parallel``: one device's part of the explicit tensor-parallel step (its vocabulary
+        slice of the embedding and of the logits, its heads)."""
         b, t = tokens.shape
-        x = self.embed_tokens[...][tokens]
+        table = self.embed_tokens[...]
+        x = table[tokens] if parallel is None else parallel.embed(table, tokens)
         mode = self.layers[0].fused_mode(x, kernels)  # the split-K kernels take this step
         rows = stream_rows(b * t, kernels) if mode is None else None
         if rows is not None:  # the residual stream as padded rows [rows, d]
@@ -147,7 +156,7 @@ class Transformer(nnx.Module):
             x = fused_linear.settle(x, pending)
         else:
             for layer, kc, vc in layers:
-                x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels)
+                x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels, parallel)
                 ks.append(kc)
                 vs.append(vc)
         x = tokens_of(x, b, t, -1)
@@ -166,17 +175,20 @@ class Transformer(nnx.Module):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Net:
-    """What a compiled program knows of a model: its NNX graph, config, resolved kernels and
-    the structure of its flat parameter leaves. Static and hashable; the hash is computed once,
-    since a compile-cache or jit key must not walk the NNX graph on every call."""
+    """What a compiled program knows of a model: its NNX graph, config, resolved kernels, the
+    structure of its flat parameter leaves and how they lie over a tensor-parallel mesh (``tp``;
+    None: one device, or a mesh the explicit step does not take). Static and hashable; the hash
+    is computed once, since a compile-cache or jit key must not walk the NNX graph on every
+    call."""
 
     graphdef: nnx.GraphDef
     cfg: ModelConfig
     kernels: KernelConfig
     treedef: object  # of the parameter state's leaves (``Model.flat``)
+    tp: tensor_parallel.TensorParallel | None = None
 
     def __post_init__(self):
-        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef)
+        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef, self.tp)
         object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:
@@ -187,10 +199,11 @@ class Net:
             return True
         if not isinstance(other, Net) or self._hash != other._hash:
             return False
-        return (self.cfg, self.kernels, self.treedef) == (
+        return (self.cfg, self.kernels, self.treedef, self.tp) == (
             other.cfg,
             other.kernels,
             other.treedef,
+            other.tp,
         ) and self.graphdef == other.graphdef
 
     def params(self, flat):
@@ -198,12 +211,16 @@ class Net:
         return jax.tree.unflatten(self.treedef, flat)
 
     def with_kernels(self, kernels: KernelConfig) -> Net:
-        return Net(self.graphdef, self.cfg, kernels, self.treedef)
+        return Net(self.graphdef, self.cfg, kernels, self.treedef, self.tp)
 
 
 def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None):
     """Pure forward of the model ``net`` describes, on its flat parameter leaves ``flat``
-    (merged at trace time). Call inside a jit."""
+    (merged at trace time). Call inside a jit. Under the explicit tensor-parallel step the
+    logits come split over the vocabulary: read them through ``tensor_parallel.argmax`` and
+    its kin."""
+    if tensor_parallel.active(net):
+        return tensor_parallel.forward(net, flat, tokens, cache, block, select)
     module = nnx.merge(net.graphdef, net.params(flat))
     return module(tokens, cache, block, select, net.kernels)
 
@@ -241,6 +258,11 @@ class Weights:
     def sharded(self) -> bool:
         """Whether the leaves are laid out over several devices (tensor parallel)."""
         return any(len(getattr(s, "device_set", ())) > 1 for _, _, s in self.layout)
+
+    @functools.cached_property
+    def tp(self) -> tensor_parallel.TensorParallel | None:
+        """How the leaves lie over a 1-D tensor-parallel mesh (None: they do not)."""
+        return tensor_parallel.layout_of(s for _, _, s in self.layout)
 
 
 def weights_of(params) -> Weights:
@@ -297,7 +319,8 @@ class Model:
         net = self._cache.get(key)
         if net is None:
             resolved = want.resolve(self.config, sharded=spans)
-            net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef)
+            tp = w.tp if spans else None
+            net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef, tp)
         return net
 
     def logits(self, tokens) -> Float[Array, "b t v"]:

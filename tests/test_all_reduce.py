@@ -1,0 +1,84 @@
+"""The one-shot all-reduce (pallas_kernels/all_reduce.py): its jax.lax reference against psum on
+the forced host devices; the Mosaic GPU kernel against the reference on GPUs.
+
+The GPU interpreter of Pallas (jax 0.11.2) cannot run the kernel on a CPU: it allocates no
+semaphores (``AbstractSemaphoreTyRules`` has no ``full``) and has no rule for remote references or
+remote semaphore signals. So the kernel's test needs two or more GPUs
+(``JAX_PLATFORMS=cuda python -m pytest tests/test_all_reduce.py``, benchmarks/gpu/tp.sh); on a
+CPU it only traces (its jaxpr is built: shapes, indexing, the peer loop)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from pallas_kernels import all_reduce as AR
+
+AXIS = "tp"
+
+
+def _mesh(n: int):
+    return jax.make_mesh((n,), (AXIS,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+
+
+def _per_device(fn, n: int, check_vma=True):
+    """``fn`` on each device's ``[rows, d]`` block of a ``[n * rows, d]`` array; the results
+    stacked the same way (so each device's copy of a reduction can be compared)."""
+    spec = PartitionSpec(AXIS)
+    return jax.jit(
+        jax.shard_map(fn, mesh=_mesh(n), in_specs=spec, out_specs=spec, check_vma=check_vma)
+    )
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_oneshot_reference_equals_psum_and_is_the_same_on_every_device(n, dtype):
+    rows, d = 8, 96  # a decode step's padded rows
+    x = jax.random.normal(jax.random.key(n), (n * rows, d), jnp.float32).astype(dtype)
+    got = np.asarray(_per_device(lambda b: AR.reference(b, AXIS), n)(x), np.float32)
+    want = np.asarray(_per_device(lambda b: jax.lax.psum(b, AXIS), n)(x), np.float32)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    parts = np.asarray(x, np.float32).reshape(n, rows, d)
+    ordered = parts[0]
+    for r in range(1, n):  # the float32 sum in rank order, rounded once
+        ordered = ordered + parts[r]
+    ordered = np.asarray(jnp.asarray(ordered).astype(dtype), np.float32)
+    copies = got.reshape(n, rows, d)
+    for c in copies:  # every device returns the same bits: the replicas stay identical
+        np.testing.assert_array_equal(c, ordered)
+
+
+def test_oneshot_kernel_takes_decode_sized_float_messages_only():
+    assert AR.unsupported_reason(jnp.zeros((8, 4096), jnp.bfloat16), 2) is None
+    assert "bytes" in AR.unsupported_reason(jnp.zeros((64, 4096), jnp.float32), 2)
+    assert "dtype" in AR.unsupported_reason(jnp.zeros((8, 16), jnp.int32), 2)
+    assert "one device" in AR.unsupported_reason(jnp.zeros((8, 16)), 1)
+
+
+def test_oneshot_kernel_traces_on_any_backend():
+    n, x = 2, jnp.ones((2 * 3, 1000), jnp.bfloat16)  # not a multiple of the tile: padded
+    fn = functools.partial(AR.oneshot, axis_name=AXIS, num_devices=n)
+    spec = PartitionSpec(AXIS)
+    jaxpr = jax.make_jaxpr(
+        jax.shard_map(fn, mesh=_mesh(n), in_specs=spec, out_specs=spec, check_vma=False)
+    )(x)
+    assert jaxpr.out_avals[0].shape == x.shape
+    assert "semaphore_signal" in str(jaxpr) and "PeerMemRef" in str(jaxpr)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2+ GPUs"
+)
+@pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (3, 1000)])
+def test_oneshot_kernel_equals_the_reference_on_gpus(shape):
+    for n in sorted({2, jax.device_count()} & {2, 4, 8}):
+        x = jax.random.normal(jax.random.key(0), (n * shape[0], shape[1]), jnp.bfloat16)
+        kernel = functools.partial(AR.oneshot, axis_name=AXIS, num_devices=n)
+        run = _per_device(kernel, n, check_vma=False)
+        want = np.asarray(_per_device(lambda b: AR.reference(b, AXIS), n)(x))
+        for _ in range(4):  # back to back: no call's stores land in another's inbox
+            np.testing.assert_array_equal(np.asarray(run(x)), want)
