@@ -155,7 +155,7 @@ def _net(n: int) -> Net:
     """A Net whose outputs lie over n devices (the vocabulary functions read only that)."""
     net = tiny.model(0, **tiny.TP).net(TP)
     layout = tensor_parallel.TensorParallel(n, ())
-    return Net(net.graphdef, net.cfg, net.kernels, net.treedef, layout)
+    return Net(net.graphdef, net.cfg, net.kernels, net.treedef, net.dtype, layout)
 
 
 def _split(x, n: int):

@@ -41,7 +41,9 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig
 from jaxspec.model.kv_cache import Block, KVCache
+from jaxspec.model.layers import embed_rows
 from pallas_kernels import all_reduce as all_reduce_kernels
+from pallas_kernels import quant
 
 AXIS = "tp"
 KV_SPEC = PartitionSpec(None, None, AXIS, None)  # [B, S, KH, hd]: split by KV heads
@@ -117,13 +119,15 @@ class Collectives:
     def reduce(self, x):
         return all_reduce(x, self.how, self.degree)
 
-    def embed(self, table: Float[Array, "vl d"], tokens: Int[Array, "b t"]):
-        """Rows of the vocabulary-split embedding: this device's rows, summed over devices."""
-        rows = table.shape[0]
+    def embed(self, table, tokens: Int[Array, "b t"]):
+        """Rows of the vocabulary-split embedding (a dense ``[V / N, d]`` slice, or a quantized
+        table's ``[d, V / N]`` columns): this device's rows, zeros elsewhere, summed over
+        devices (exact: one term is not zero)."""
+        rows = table.shape[1] if quant.is_quantized(table) else table.shape[0]
         local = tokens - lax.axis_index(AXIS) * rows
         mine = (local >= 0) & (local < rows)
-        x = jnp.where(mine[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
-        return self.reduce(x.astype(table.dtype))
+        got = embed_rows(table, jnp.clip(local, 0, rows - 1))
+        return self.reduce(jnp.where(mine[..., None], got, 0).astype(got.dtype))
 
 
 def cache_spec(cache: KVCache):
@@ -131,24 +135,27 @@ def cache_spec(cache: KVCache):
     return jax.tree.map(lambda x: KV_SPEC if x.ndim == 4 else PartitionSpec(), cache)
 
 
-def forward(net, flat, tokens, cache: KVCache, block: Block, select):
+def forward(net, flat, tokens, cache: KVCache, block: Block, select, features=None):
     """``transformer.apply`` as the explicit step: ``(logits [b, l, V] split over the vocabulary,
-    cache split by KV heads)``. Call inside a jit, on weights laid out as ``net.tp`` says."""
+    cache split by KV heads[, features])``; the features (a feature draft's states) are the
+    replicated residual stream, whole on every device. Call inside a jit, on weights laid out as
+    ``net.tp`` says."""
     n = net.tp.degree
     parallel = Collectives(n, net.kernels.all_reduce)
     cfg = local_config(net.cfg, n)
+    feats = None if features is None else tuple(features)
 
     def step(flat, tokens, cache, block, *select):
         module = nnx.merge(net.graphdef, net.params(flat))
         for layer in module.layers:  # the attention modules see this device's heads
             layer.self_attn.cfg = cfg
         sel = select[0] if select else None
-        return module(tokens, cache, block, sel, net.kernels, parallel)
+        return module(tokens, cache, block, sel, net.kernels, feats, parallel)
 
     rep = PartitionSpec()
     args = (flat, tokens, cache, block) + (() if select is None else (select,))
     specs = (list(net.tp.specs), rep, cache_spec(cache), rep) + (() if select is None else (rep,))
-    out = (vocab_spec(3), cache_spec(cache))
+    out = (vocab_spec(3), cache_spec(cache)) + (() if feats is None else (rep,))
     return _shard_map(net, step, specs, out)(*args)
 
 
