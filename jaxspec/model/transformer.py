@@ -332,9 +332,11 @@ class Network:
 
     @property
     def dtype(self):
-        """The compute dtype (activations, KV cache): the final norm's, which is never
-        quantized."""
-        return weight_of(self.params["norm"]["weight"]).dtype
+        """The compute dtype (activations, KV cache): a norm's, which is never quantized (the
+        final norm; a feature head has none, so its first layer's input norm)."""
+        p = self.params
+        norm = p["norm"] if "norm" in p else p["layers"][0]["input_layernorm"]
+        return weight_of(norm["weight"]).dtype
 
     @property
     def weights(self) -> Weights:
