@@ -18,10 +18,18 @@ which the tensor-parallel step needs (the residual stream is replicated).
   instruction is used: NVLink multicast is forbidden on the lent machines.
 - ``unsupported_reason(x, num_devices)``: why the kernel does not take ``x`` (then use psum).
 
+- ``oneshot_dma(x, axis_name=..., num_devices=..., interpret=...)``: the same protocol as a Pallas
+  kernel of remote DMAs and semaphores (the TPU form: ``make_async_remote_copy`` into each peer's
+  inbox, a DMA semaphore per shift for the arrivals, a regular one for the drain), which Pallas'
+  TPU interpreter runs on a CPU with one thread per device, its race detector on. It is how the
+  kernel's protocol and its ordered sum are tested here (``KernelConfig(all_reduce=
+  "interpret")`` runs it inside the tensor-parallel step); it is not tuned for a real TPU.
+
 Run inside ``jax.shard_map`` over a mesh axis whose devices are the process's GPUs 0..N-1 (Mosaic
 GPU's peer addressing). The GPU interpreter of Pallas (jax 0.11.2) has no remote references or
-remote semaphore signals, so on a CPU only ``reference`` runs; ``oneshot`` is checked on GPUs
-(``tests/test_all_reduce.py`` with ``JAX_PLATFORMS=cuda``, ``benchmarks/bench_all_reduce.py``).
+remote semaphore signals (its jaxpr interpreter has no rule for ``semaphore_signal``), so on a
+CPU ``oneshot`` only traces; it is checked on GPUs (``tests/test_all_reduce.py`` with
+``JAX_PLATFORMS=cuda``, ``benchmarks/bench_all_reduce.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float
 
 TILE = 1024  # elements one warpgroup moves per step: 128 threads x 8
@@ -117,3 +126,82 @@ def oneshot(x: Float[Array, "..."], *, axis_name: str, num_devices: int) -> Floa
         scratch_types=[plgpu.SemaphoreType.REGULAR, plgpu.SemaphoreType.REGULAR],
     )(flat)
     return y.reshape(-1)[:size].reshape(x.shape)
+
+
+def oneshot_dma(
+    x: Float[Array, "..."],
+    *,
+    axis_name: str,
+    num_devices: int,
+    interpret: bool = True,
+    poison: float | None = None,
+) -> Float[Array, "..."]:
+    """The one-shot all-reduce of ``x`` as remote DMAs (module docstring): device i copies its
+    partial into its own inbox slot i, starts one remote copy of it into slot i of each peer's
+    inbox, waits for its sends and for the N - 1 arrivals (the copy of shift s signals the
+    receiver's semaphore s), sums the N slots in rank order (float32) and, before leaving,
+    signals every peer and waits for all of them (no device's next stores into an inbox still
+    being read). ``interpret``: through Pallas' TPU interpreter (any backend). ``poison``: the
+    output and the inbox start filled with it (tests: a slot read before it arrived, or an
+    element never written, shows)."""
+    n = num_devices
+    if n < 2:
+        raise ValueError("oneshot_dma needs two or more devices")
+
+    def kernel(x_ref, *refs):
+        y_ref, inbox_ref, buf, copy_sem, send_sem, recv_sem, drained = refs[-7:]
+        me = lax.axis_index(axis_name)
+        own = pltpu.make_async_copy(x_ref, inbox_ref.at[me], copy_sem)
+        own.start()
+        own.wait()
+        sends = []
+        for k in range(1, n):  # static shifts: the peer is (me + k) mod N
+            copy = pltpu.make_async_remote_copy(
+                src_ref=x_ref, dst_ref=inbox_ref.at[me], send_sem=send_sem.at[k],
+                recv_sem=recv_sem.at[k], device_id=(lax.rem(me + k, n),),
+                device_id_type=pl.DeviceIdType.MESH,
+            )  # fmt: skip
+            copy.start()
+            sends.append(copy)
+        for copy in sends:
+            copy.wait_send()
+            copy.wait_recv()  # the arrival from (me - k) mod N, of the same size
+        read = pltpu.make_async_copy(inbox_ref, buf, copy_sem)
+        read.start()
+        read.wait()
+        acc = buf[0].astype(jnp.float32)
+        for r in range(1, n):
+            acc = acc + buf[r].astype(jnp.float32)
+        y_ref[...] = acc.astype(y_ref.dtype)
+        for k in range(1, n):
+            pl.semaphore_signal(
+                drained, 1, device_id=(lax.rem(me + k, n),), device_id_type=pl.DeviceIdType.MESH
+            )
+        pl.semaphore_wait(drained, n - 1)
+
+    vmem, anywhere = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    args, specs, alias = [x], [vmem], {}
+    if poison is not None:  # the outputs are these buffers, as they were
+        args += [jnp.full(x.shape, poison, x.dtype), jnp.full((n, *x.shape), poison, x.dtype)]
+        specs += [vmem, anywhere]
+        alias = {1: 0, 2: 1}
+    y, _ = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((n, *x.shape), x.dtype),  # the inbox peers write into
+        ),
+        in_specs=specs,
+        out_specs=(vmem, anywhere),
+        scratch_shapes=[
+            pltpu.VMEM((n, *x.shape), x.dtype),
+            pltpu.SemaphoreType.DMA,
+            pltpu.SemaphoreType.DMA((n,)),
+            pltpu.SemaphoreType.DMA((n,)),
+            pltpu.SemaphoreType.REGULAR,
+        ],
+        input_output_aliases=alias,
+        interpret=pltpu.InterpretParams(detect_races=True) if interpret else False,
+        compiler_params=pltpu.CompilerParams(collective_id=0),
+    )(*args)
+    return y
