@@ -19,7 +19,8 @@ explicit Megatron step of ``model/tensor_parallel.py`` (one reduction after atte
 after the MLP, the vocabulary split in the embedding, the LM head and the argmax), whose
 reductions are ``all_reduce``: ``"psum"`` (XLA's all-reduce: NCCL on a GPU), ``"oneshot"`` (the
 Mosaic GPU one-shot kernel of ``pallas_kernels/all_reduce.py`` for decode-sized messages, psum for
-larger ones) or ``"oneshot_reference"`` (that algorithm in ``jax.lax``: collective permutes).
+larger ones), ``"oneshot_reference"`` (that algorithm in ``jax.lax``: collective permutes) or
+``"interpret"`` (the algorithm as the kernel of remote DMAs, through Pallas' interpreter: tests).
 
 ``from_env`` reads the ``JAXSPEC_*`` variables into a config; only the CLI and the benchmark
 scripts call it. A bad value anywhere is an ``OptionError`` naming the setting and its choices.
@@ -42,7 +43,7 @@ ATTENTION = ("auto", "reference", "pallas", "interpret")
 PADDING = ("auto", "stream", "gemm")
 QUANT = ("auto", "xla", "pallas", "interpret")
 TENSOR_PARALLEL = ("auto", "gspmd", "shard_map")
-ALL_REDUCE = ("auto", "psum", "oneshot", "oneshot_reference")
+ALL_REDUCE = ("auto", "psum", "oneshot", "oneshot_reference", "interpret")
 
 # Defaults by backend. GPU figures: one H200, jax 0.11.2 (benchmarks/RESULTS.md has each run).
 DEFAULTS = {
@@ -133,7 +134,8 @@ class KernelConfig:
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
     tensor_parallel: how a program over sharded weights runs: "gspmd" or "shard_map" (above).
     all_reduce:      the reductions of the "shard_map" step: "psum", "oneshot" (GPU kernel where
-                     it applies), "oneshot_reference" (the same algorithm in jax.lax).
+                     it applies), "oneshot_reference" (the same algorithm in jax.lax),
+                     "interpret" (its remote-DMA kernel, interpreted: any backend, slow).
     invariant:       every reduction exact (``model/exact.py``): a row's result independent of
                      what else its step computes, so speculative output equals autoregressive
                      output bit for bit, in bf16 too. Several times slower; the fused kernels

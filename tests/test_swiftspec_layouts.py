@@ -21,6 +21,7 @@ SHAPE = dict(depth=2, width=3, branch=2, bs=6)
 NEW = 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2), (6, 2)])
 def test_swiftspec_with_a_tensor_parallel_target_is_greedy_equal_on_n_devices(layout):
     x, y = layout
@@ -42,6 +43,7 @@ def test_swiftspec_with_a_tensor_parallel_target_is_greedy_equal_on_n_devices(la
     assert devices == [set(range(x)), set(range(x, x + y))]
 
 
+@pytest.mark.slow
 def test_split_chooser_times_the_tensor_parallel_step_and_reports_its_scaling():
     """With the split and d open, the profile times every split through the explicit step
     (its Profile says so) and the run reports t_verify(1) / t_verify(x) for each x."""

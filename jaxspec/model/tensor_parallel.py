@@ -40,6 +40,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig
+from jaxspec.errors import OptionError
 from jaxspec.model.kv_cache import Block, KVCache
 from jaxspec.model.layers import embed_rows
 from pallas_kernels import all_reduce as all_reduce_kernels
@@ -101,9 +102,12 @@ def local_config(cfg: ModelConfig, degree: int) -> ModelConfig:
 
 def all_reduce(x: Float[Array, "..."], how: str, degree: int) -> Float[Array, "..."]:
     """The sum of ``x`` over the step's devices: "psum" (XLA's all-reduce), "oneshot" (the
-    Mosaic GPU kernel where it takes the message, else psum), "oneshot_reference"."""
+    Mosaic GPU kernel where it takes the message, else psum), "oneshot_reference",
+    "interpret" (the one-shot remote-DMA kernel through Pallas' interpreter)."""
     if how == "oneshot_reference":
         return all_reduce_kernels.reference(x, AXIS)
+    if how == "interpret":
+        return all_reduce_kernels.oneshot_dma(x, axis_name=AXIS, num_devices=degree)
     if how == "oneshot" and all_reduce_kernels.unsupported_reason(x, degree) is None:
         return all_reduce_kernels.oneshot(x, axis_name=AXIS, num_devices=degree)
     return lax.psum(x, AXIS)
@@ -149,6 +153,9 @@ def forward(net, flat, tokens, cache: KVCache, block: Block, select, features=No
         module = nnx.merge(net.graphdef, net.params(flat))
         for layer in module.layers:  # the attention modules see this device's heads
             layer.self_attn.cfg = cfg
+            for lin, rows in ((layer.self_attn.o_proj, cfg.num_heads * cfg.head_dim),
+                              (layer.mlp.down_proj, cfg.intermediate_size)):  # fmt: skip
+                lin.kernel.set_value(_local_rows(lin.kernel.get_value(), rows))
         sel = select[0] if select else None
         return module(tokens, cache, block, sel, net.kernels, feats, parallel)
 
@@ -159,11 +166,29 @@ def forward(net, flat, tokens, cache: KVCache, block: Block, select, features=No
     return _shard_map(net, step, specs, out)(*args)
 
 
+def _local_rows(w, rows: int):
+    """A row-parallel weight as this device's ``rows`` input rows. The layout splits them
+    (``sharding.place``) except for a quantized weight with one scale group over K (int8 per
+    output channel), which stays whole there; its one scale row covers every row, so this
+    device's slice of the codes with the same scales is its part."""
+    if not quant.is_quantized(w) or w.shape[0] == rows:
+        return w
+    if w.scales.shape[0] != 1:
+        raise OptionError(
+            f"a quantized row-parallel weight of {w.scales.shape[0]} scale groups over K does not "
+            f"split over {w.shape[0] // rows} devices; use KernelConfig(tensor_parallel='gspmd')."
+        )
+    per = w.values.shape[0] * rows // w.shape[0]  # packed 4-bit codes: two rows a byte
+    values = lax.dynamic_slice_in_dim(w.values, lax.axis_index(AXIS) * per, per, 0)
+    return dataclasses.replace(w, values=values, group=rows)
+
+
 def _shard_map(net, fn, in_specs, out_specs):
     k = net.kernels
     # the replication check types every value; Pallas kernels (attention, the one-shot
     # all-reduce) have no rule for it, so it runs where only jnp and lax do
-    plain = k.attention == "reference" and k.fused_attention == "off" and k.all_reduce != "oneshot"
+    kernel_reduce = k.all_reduce in ("oneshot", "interpret")
+    plain = k.attention == "reference" and k.fused_attention == "off" and not kernel_reduce
     return jax.shard_map(
         fn, mesh=mesh(net.tp.degree), in_specs=in_specs, out_specs=out_specs, check_vma=plain
     )
