@@ -7,7 +7,7 @@
 # set, e.g. JAXSPEC_ALL_REDUCE=oneshot). A 70B program compiles for minutes: one split a call.
 # No GGUF needed. Writes $OUT/swiftspec_tp.json.
 #   bash benchmarks/gpu/swiftspec_tp.sh 4+4            # nvidia-h200-x8 (the default split)
-#   bash benchmarks/gpu/swiftspec_tp.sh 6+2 --draft 1b
+#   bash benchmarks/gpu/swiftspec_tp.sh 4+2 --draft 1b    # x must divide the 8 KV heads: 6+2 cannot
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
