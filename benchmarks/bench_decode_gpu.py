@@ -1,20 +1,30 @@
 """Decode and verify step times of model shapes against their HBM floor (random bf16 weights).
 
-One case = (shape, batch, context, block size T, tensor-parallel degree, weights: ``bf16`` or a
-quantized twin, see ``QUANT``). A case times the
-project's own forward (``jaxspec.model.transformer.apply``: unrolled layers, the Pallas
+One case = (shape, batch, context, block size T, tensor-parallel degree and form, weights:
+``bf16`` or a quantized twin, see ``QUANT``). A case times
+the project's own forward (``jaxspec.model.transformer.apply``: unrolled layers, the Pallas
 decode-attention kernel on GPU, in-place cache writes) inside one jitted ``lax.fori_loop`` of
 ``--steps`` steps with the cache donated, so the figure is the per-step cost with the loop on
 device, as the engines run it. The floor is the bytes a step must read (every weight except an
 untied input embedding, of which one row is read, plus the visible K/V) over ``--hbm-tbs`` (4.3 TB/s
 for an H200); a quantized weight counts its bytes as stored (codes, scales, mins).
 
+A tensor-parallel case names its form: ``gspmd`` (the one-device forward on sharded weights),
+``shard_map`` (the explicit step of ``jaxspec/model/tensor_parallel.py`` with XLA's all-reduce),
+``oneshot`` (the same step with the Mosaic GPU one-shot all-reduce of
+``pallas_kernels/all_reduce.py``), ``oneshot_reference`` (the one-shot algorithm as collective
+permutes); none: ``KernelConfig.from_env()``'s. The output's top level gets the headline figures
+of the 8B batch-1 4K decode rows (``headline``): ``ms_per_token_tp2`` / ``_tp4`` from the explicit
+step (its faster reduction), beside the one-GPU step of the same run.
+
 XLA flags are read when jax starts, so flag variants are separate processes: see
-``benchmarks/gpu/decode.sh``. ``--label`` tags the rows of one process; rows are appended to the
-JSON (``--out``) as each case finishes, so a timeout keeps what was measured.
+``benchmarks/gpu/decode.sh`` and ``benchmarks/gpu/tp.sh``. ``--label`` tags the rows of one
+process; rows are appended to the JSON (``--out``) as each case finishes, so a timeout keeps
+what was measured.
 
     python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1,8b:1:4096:16 --out decode.json
     python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1:1:int4 --out decode.json
+    python benchmarks/bench_decode_gpu.py --cases 8b:1:4096:1,8b:1:4096:1:2:shard_map  # 2 GPUs
     python benchmarks/bench_decode_gpu.py --smoke      # tiny shapes, CPU check of the script
 """
 
@@ -36,7 +46,7 @@ from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
 from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
 from jaxspec.model import quantized as Q
-from jaxspec.model import sharding
+from jaxspec.model import sharding, tensor_parallel
 from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
 from jaxspec.model.transformer import apply, new_model, with_params
 from jaxspec.timing import median_ms
@@ -44,6 +54,13 @@ from pallas_kernels import quant
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
 SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}
+# a case's tensor-parallel form -> the KernelConfig fields it sets
+FORMS = {
+    "gspmd": dict(tensor_parallel="gspmd"),
+    "shard_map": dict(tensor_parallel="shard_map", all_reduce="psum"),
+    "oneshot": dict(tensor_parallel="shard_map", all_reduce="oneshot"),
+    "oneshot_reference": dict(tensor_parallel="shard_map", all_reduce="oneshot_reference"),
+}
 
 
 # Quantized twins of the random weights (jaxspec.model.quantized): (bits, group, mins, scale
@@ -65,21 +82,31 @@ class Case:
     t: int  # tokens per step: 1 = decode, k = a k-token verify block
     tp: int = 1
     quant: str = "bf16"  # or a key of QUANT
+    form: str = ""  # FORMS key; "": the kernels' own
 
     @classmethod
     def parse(cls, text: str) -> Case:
         parts = text.split(":")
         shape, b, s, t = parts[:4]
         tp = int(parts[4]) if len(parts) > 4 else 1
-        q = parts[5] if len(parts) > 5 else "bf16"
-        if q != "bf16" and q not in QUANT:
-            raise SystemExit(f"unknown weights {q!r}: bf16 or one of {', '.join(QUANT)}")
-        return cls(shape, int(b), int(s), int(t), tp, q)
+        q, form = "bf16", ""
+        for extra in parts[5:]:  # a form and / or the weights, in either order
+            if extra in FORMS:
+                form = extra
+            elif extra == "bf16" or extra in QUANT:
+                q = extra
+            else:
+                raise SystemExit(
+                    f"case {text!r}: {extra!r} is neither a form ({', '.join(FORMS)}) nor "
+                    f"weights (bf16, {', '.join(QUANT)})"
+                )
+        return cls(shape, int(b), int(s), int(t), tp, q, form)
 
     @property
     def name(self) -> str:
-        tail = "" if self.quant == "bf16" else f":{self.quant}"
-        return f"{self.shape}:{self.batch}:{self.context}:{self.t}:{self.tp}{tail}"
+        name = f"{self.shape}:{self.batch}:{self.context}:{self.t}:{self.tp}"
+        name = f"{name}:{self.form}" if self.form else name
+        return name if self.quant == "bf16" else f"{name}:{self.quant}"
 
 
 def quantized_twin(model, kind: str):
@@ -130,7 +157,8 @@ def make_loop(net, steps: int, t: int):
             block = causal_block(cache.length, cache.length, jnp.full((b,), t, jnp.int32), t)
             logits, cache = apply(net, params, tok, cache, block)
             cache = KVCache(k=cache.k, v=cache.v, length=cache.length + t)
-            return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+            # over the split vocabulary under the explicit step: (max, index) pairs, no logits
+            return cache, tensor_parallel.argmax(net, logits)
 
         return jax.lax.fori_loop(0, steps, body, (cache, tok))
 
@@ -166,6 +194,7 @@ def kernel_count(exe_text: str) -> dict:
 
 def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype, kernels) -> dict:
     cfg = SHAPES[case.shape]
+    kernels = dataclasses.replace(kernels, **FORMS.get(case.form, {}))
     devices = jax.devices()[: case.tp]
     model = new_model(cfg, seed=0, dtype=dtype)
     if case.quant != "bf16":
@@ -175,7 +204,7 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype, kernels) 
     cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((case.batch,), case.context, jnp.int32))
     if case.tp > 1:  # sharded weights: the Net resolves without the fused kernels, as engines do
         model, rep = sharding.place(model, devices)
-        kv = jax.NamedSharding(rep.mesh, jax.P(None, None, sharding.TP, None))
+        kv = jax.NamedSharding(rep.mesh, tensor_parallel.KV_SPEC)
         cache = KVCache(
             k=[jax.device_put(x, kv) for x in cache.k],
             v=[jax.device_put(x, kv) for x in cache.v],
@@ -220,13 +249,46 @@ def run_case(case: Case, steps: int, reps: int, hbm_tbs: float, dtype, kernels) 
     }
 
 
+def headline(rows: list[dict], shape: str = "8b") -> dict:
+    """The tensor-parallel figures of the ``shape`` batch-1 4K decode rows: the one-GPU step,
+    each degree's step by form (``ms_per_token_tp2_shard_map``, ``..._oneshot``, ``..._gspmd``),
+    ``ms_per_token_tp2`` = the explicit step's faster form, and its ratio to one GPU
+    (``tp2_over_one_gpu``; issue 26's goals: at most 0.62 for 2, 0.40 for 4)."""
+    best: dict[tuple[int, str], float] = {}
+    for r in rows:
+        if "ms_per_step" not in r or (r["shape"], r["batch"], r["context"], r["t"]) != (
+            shape, 1, 4096, 1,
+        ):  # fmt: skip
+            continue
+        key = (r["tp"], r.get("form") or "")
+        best[key] = min(best.get(key, float("inf")), r["ms_per_step"])
+    out: dict = {}
+    one = min((v for (tp, _), v in best.items() if tp == 1), default=None)
+    if one is not None:
+        out["ms_per_token"] = one
+    for (tp, form), ms in sorted(best.items()):
+        if tp > 1 and form:
+            out[f"ms_per_token_tp{tp}_{form}"] = ms
+    for tp in sorted({tp for tp, _ in best if tp > 1}):
+        mine = [v for (d, f), v in best.items() if d == tp and f in ("shard_map", "oneshot")]
+        if mine:
+            out[f"ms_per_token_tp{tp}"] = min(mine)
+            if one is not None:
+                out[f"tp{tp}_over_one_gpu"] = round(min(mine) / one, 3)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
         "--cases",
         default="smol:1:1024:1,smol:1:4096:1,1b:1:4096:1,8b:1:4096:1,8b:1:4096:8,8b:1:4096:16,"
         "8b:64:4096:1",
-        help="shape:batch:context:T[:tp], comma separated (shapes: " + ", ".join(SHAPES) + ")",
+        help="shape:batch:context:T[:tp[:form]], comma separated (shapes: "
+        + ", ".join(SHAPES)
+        + "; forms: "
+        + ", ".join(FORMS)
+        + ")",
     )
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
@@ -238,7 +300,12 @@ def main():
     args = ap.parse_args()
     start = time.perf_counter()
     cases = (
-        [Case("smoke", 1, 64, 1), Case("smoke", 2, 64, 4), Case("smoke", 1, 64, 1, quant="q4_1")]
+        [
+            Case("smoke", 1, 64, 1),
+            Case("smoke", 2, 64, 4),
+            Case("smoke", 1, 64, 1, quant="q4_1"),
+            Case("smoke", 1, 64, 1, 2, form="shard_map"),
+        ]
         if args.smoke
         else [Case.parse(c) for c in args.cases.split(",") if c]
     )
@@ -257,6 +324,7 @@ def main():
         row["label"] = args.label
         row["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         payload["rows"].append(row)
+        payload.update(headline(payload["rows"]))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2) + "\n")
         print(json.dumps(row), flush=True)

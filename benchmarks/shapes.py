@@ -17,6 +17,10 @@ LLAMA3_8B = ModelConfig(
     max_position_embeddings=8192,
     rope_theta=500000.0,
 )
+# Llama-3-70B (SwiftSpec's headline target): 80 layers, 64 query / 8 KV heads
+LLAMA3_70B = dataclasses.replace(
+    LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64
+)
 # Llama-3.1-8B: the same layers with a 128K context (its llama3 RoPE scaling changes no step time)
 LLAMA31_8B = dataclasses.replace(LLAMA3_8B, max_position_embeddings=131072)
 LLAMA32_1B = dataclasses.replace(

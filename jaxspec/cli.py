@@ -510,14 +510,20 @@ def cmd_profile(args) -> int:
             line += f" {args.acceptance * 1e3 / p.iteration_ms:>14.1f}"
         print(line, flush=True)
 
-    best = split.profile(
+    every = split.profile(
         target, draft, prompt, width=args.width, branch=args.branch, bs=args.bs, progress=row,
         kernels=target.kernels,
-    )[0]  # fmt: skip
+    )  # fmt: skip
+    best = every[0]
     print(
         f"\nbest: target on {best.target_devices} device(s), draft on {best.draft_devices}, "
         f"d = {best.d} (iteration {best.iteration_ms:.3f} ms)"
     )
+    scaling = split.tp_scaling(every)
+    if len(scaling) > 1:
+        form = next((p.tensor_parallel for p in every if p.tensor_parallel), "")
+        shown = ", ".join(f"{x}: {s:.2f}x" for x, s in scaling.items())
+        print(f"target verify speed-up over tensor-parallel devices ({form}): {shown}")
     return 0
 
 

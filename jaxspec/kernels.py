@@ -13,6 +13,15 @@ takes the shapes, the plain path elsewhere" (the kernels check shapes while trac
 parallel weights, SwiftSpec's two-device program) resolve with ``sharded=True``: the fused
 kernels have no partitioning rule, so they stay off there (the attention kernels have one).
 
+Tensor parallelism has two forms (``tensor_parallel``): ``"gspmd"`` runs the one-device forward on
+sharded weights and lets XLA's partitioner place the collectives; ``"shard_map"`` runs the
+explicit Megatron step of ``model/tensor_parallel.py`` (one reduction after attention and one
+after the MLP, the vocabulary split in the embedding, the LM head and the argmax), whose
+reductions are ``all_reduce``: ``"psum"`` (XLA's all-reduce: NCCL on a GPU), ``"oneshot"`` (the
+Mosaic GPU one-shot kernel of ``pallas_kernels/all_reduce.py`` for decode-sized messages, psum for
+larger ones), ``"oneshot_reference"`` (that algorithm in ``jax.lax``: collective permutes) or
+``"interpret"`` (the algorithm as the kernel of remote DMAs, through Pallas' interpreter: tests).
+
 ``from_env`` reads the ``JAXSPEC_*`` variables into a config; only the CLI and the benchmark
 scripts call it. A bad value anywhere is an ``OptionError`` naming the setting and its choices.
 """
@@ -33,6 +42,8 @@ FUSED = ("auto", "off", "pallas", "interpret")
 ATTENTION = ("auto", "reference", "pallas", "interpret")
 PADDING = ("auto", "stream", "gemm")
 QUANT = ("auto", "xla", "pallas", "interpret")
+TENSOR_PARALLEL = ("auto", "gspmd", "shard_map")
+ALL_REDUCE = ("auto", "psum", "oneshot", "oneshot_reference", "interpret")
 
 # Defaults by backend. GPU figures: one H200, jax 0.11.2 (benchmarks/RESULTS.md has each run).
 DEFAULTS = {
@@ -49,6 +60,10 @@ DEFAULTS = {
         # quantized weights: dequantize, then XLA's dot; so the real SmolLM2 Q4_1 decoded 1.6x
         # faster than dequantized once at load (jaxspec.io.convert.KEEP_QUANTIZED)
         quant_matmul="xla",
+        # the measured-safe form until the explicit step is measured (forced host devices share
+        # the cores: a CPU says nothing of a GPU's collectives)
+        tensor_parallel="gspmd",
+        all_reduce="psum",  # the one-shot kernel is a GPU kernel
     ),
     "gpu": dict(
         # split-K decode attention (pallas_kernels/decode_attention.py) and the flash kernel for
@@ -81,6 +96,11 @@ DEFAULTS = {
         # H200 (its "sweep" rows): PENDING that run, not measured yet
         quant_matmul="pallas",
         quant_tile=None,
+        # GSPMD over two H200s: Llama-3-8B-shape step 6.0 ms against 4.75 on one GPU
+        # (gpu_decode.json); the shard_map step and the one-shot kernel stay opt-in until
+        # benchmarks/gpu/tp.sh measures them (no multi-GPU machine was lent when they were written)
+        tensor_parallel="gspmd",
+        all_reduce="psum",
     ),
 }
 # A GPU prefill step takes up to this many tokens (rows x chunk), at most GPU_PREFILL_CHUNK a
@@ -112,6 +132,10 @@ class KernelConfig:
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
+    tensor_parallel: how a program over sharded weights runs: "gspmd" or "shard_map" (above).
+    all_reduce:      the reductions of the "shard_map" step: "psum", "oneshot" (GPU kernel where
+                     it applies), "oneshot_reference" (the same algorithm in jax.lax),
+                     "interpret" (its remote-DMA kernel, interpreted: any backend, slow).
     invariant:       every reduction exact (``model/exact.py``): a row's result independent of
                      what else its step computes, so speculative output equals autoregressive
                      output bit for bit, in bf16 too. Several times slower; the fused kernels
@@ -132,6 +156,8 @@ class KernelConfig:
     row_padding: str = "auto"
     prefill_chunk: int | None = None
     loop_chunk: int | None = None
+    tensor_parallel: str = "auto"
+    all_reduce: str = "auto"
     invariant: bool = False
     resolved: bool = dataclasses.field(default=False, repr=False)
 
@@ -143,6 +169,8 @@ class KernelConfig:
             ("fused_commit", FUSED),
             ("row_padding", PADDING),
             ("quant_matmul", QUANT),
+            ("tensor_parallel", TENSOR_PARALLEL),
+            ("all_reduce", ALL_REDUCE),
         ):
             if getattr(self, name) not in choices:
                 raise OptionError(
@@ -213,7 +241,10 @@ class KernelConfig:
                     f"KernelConfig.{name}='pallas' needs a GPU backend (this is {backend!r}); "
                     "use 'interpret' or 'auto' here."
                 )
-            if sharded:
+            # the explicit step runs a device's heads through the fused attention kernel; the
+            # projection kernels would fuse across its reductions, and commits run outside it
+            local = name == "fused_attention" and fill["tensor_parallel"] == "shard_map"
+            if sharded and not local:
                 fill[name] = "off"
         if fill["quant_matmul"] == "pallas" and backend != "gpu":
             raise OptionError(
@@ -227,9 +258,17 @@ class KernelConfig:
                 f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
                 "'interpret', 'reference' or 'auto' here."
             )
+        if fill["all_reduce"] == "oneshot" and backend != "gpu":
+            raise OptionError(
+                f"KernelConfig.all_reduce='oneshot' is a GPU kernel (this is {backend!r}); use "
+                "'oneshot_reference' (the same algorithm in jax.lax), 'psum' or 'auto' here."
+            )
         if fill["invariant"]:  # exact reductions in jnp: no kernel has them (model/exact.py)
             fill.update(fused_attention="off", fused_linear="off", fused_commit="off")
             fill.update(attention="reference", gemm_rows=0)
+            # the explicit step's reductions sum rounded float partials; the partitioner splits
+            # the exact integer sums themselves, which stay exact
+            fill.update(tensor_parallel="gspmd")
         if fill["fused_linear"] != "off" and _linear_unfit(cfg, fill["linear_tile"]):
             fill["fused_linear"] = "off"
         if fill["fused_linear"] != "off" and fill["linear_tile"] is None:
@@ -302,6 +341,8 @@ ENV = {
     "JAXSPEC_MIN_GEMM_ROWS": ("gemm_rows", "int"),
     "JAXSPEC_PREFILL_CHUNK": ("prefill_chunk", "int"),
     "JAXSPEC_LOOP_CHUNK": ("loop_chunk", "int"),
+    "JAXSPEC_TENSOR_PARALLEL": ("tensor_parallel", TENSOR_PARALLEL),
+    "JAXSPEC_ALL_REDUCE": ("all_reduce", ALL_REDUCE),
 }
 
 

@@ -52,3 +52,8 @@ def with_eos(m: Model, eos: int) -> Model:
         layer.self_attn.cfg = cfg
     g, p = nnx.split(module)
     return dataclasses.replace(m, config=cfg, graphdef=g, params=p)
+
+
+# Head counts, MLP width and vocabulary that every tensor-parallel degree of the tests divides
+# (1, 2, 4 and 6: SwiftSpec's 6 + 2 layout), with grouped-query attention (2 query heads a KV head)
+TP = dict(num_heads=24, num_kv_heads=12, head_dim=4, intermediate_size=48, vocab_size=72)

@@ -55,7 +55,7 @@ def step(prog: Program, tflat, dflat, s: State) -> State:
     block = causal_block(s.cache.length, s.cache.length, jnp.ones((b,), jnp.int32), 1)
     logits, cache = apply(prog.net, tflat, s.token[:, None], s.cache, block)
     key, sub = jax.random.split(s.key)
-    tok = sample(sub, logits[:, 0], prog.req.sampling)
+    tok = sample(sub, logits[:, 0], prog.req.sampling, prog.net)
     out = base.emit(s.out, tok[:, None], jnp.ones((b,), jnp.int32), prog.req.eos)
     return State(advance(cache, jnp.ones((b,), jnp.int32)), tok, out, key)
 

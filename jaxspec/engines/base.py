@@ -110,7 +110,7 @@ def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int, features
     cache = init_cache(net.cfg, ids.shape[0], capacity, net.dtype)
     logits, cache, *feats = prefill(net, tflat, cache, ids, lens, features)
     key, sub = jax.random.split(key)
-    tok = sample(sub, logits, req.sampling)
+    tok = sample(sub, logits, req.sampling, net)
     return cache, tok, first(tok, req), key, *feats
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from jaxspec.engines import base
+from jaxspec.model import tensor_parallel
 from jaxspec.model.kv_cache import KVCache, advance, causal_block
 from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
@@ -79,9 +80,10 @@ def verify(prog: Program, tflat, cache: KVCache, token, x, q, key):
     tokens = jnp.concatenate([token[:, None], x], 1)
     logits, cache, *feats = apply(prog.net, tflat, tokens, cache, block, None, prog.draft.reads)
     if prog.req.sampling.greedy:  # no [B, gamma + 1, V] one-hot rows and no draw
-        n_acc, nxt = accept_chain_greedy(x, jnp.argmax(logits, axis=-1))
-    else:
-        n_acc, nxt = accept_chain(key, x, q, probs(logits, prog.req.sampling))
+        n_acc, nxt = accept_chain_greedy(x, tensor_parallel.argmax(prog.net, logits))
+    else:  # the rule reads p at every token: whole rows
+        p = probs(tensor_parallel.gather(prog.net, logits), prog.req.sampling)
+        n_acc, nxt = accept_chain(key, x, q, p)
     return n_acc, nxt, cache, (feats or [None])[0]
 
 

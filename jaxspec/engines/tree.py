@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.engines import base
+from jaxspec.model import tensor_parallel
 from jaxspec.model.kv_cache import KVCache, advance, commit
 from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
@@ -126,10 +127,11 @@ def verify_and_commit(
     ``features``: the states to return (``transformer.apply``'s), for a draft that reads them."""
     logits, cache, *feats = apply(net, tflat, tb.tokens, cache, tb.block, None, features)
     if sampling.greedy:
-        target_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+        target_tokens = tensor_parallel.argmax(net, logits)
         path, n, nxt = accept_tree_greedy(tb.tokens, tb.parent, tb.valid, target_tokens)
-    else:
-        path, n, nxt = accept_tree(key, tb.tokens, tb.parent, tb.valid, probs(logits, sampling))
+    else:  # the rule draws from whole rows
+        p = probs(tensor_parallel.gather(net, logits), sampling)
+        path, n, nxt = accept_tree(key, tb.tokens, tb.parent, tb.valid, p)
     new = jnp.concatenate(
         [jnp.take_along_axis(tb.tokens, jnp.maximum(path, 0), 1), jnp.zeros_like(nxt)[:, None]], 1
     )

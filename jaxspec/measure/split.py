@@ -8,6 +8,11 @@ handoff)``; d expansions add about ``d * w * k`` nodes, of which the target sees
 pick d = round((t_verify - handoff) / t_draft) (at least 1): the most draft work that still
 hides behind the verify, so deeper trees cost no time, and the split with the smallest iteration
 time (acceptance is a property of the models, the same for every split).
+
+The target's verify on x devices runs the tensor-parallel form its kernels name (``Profile.
+tensor_parallel``: KernelConfig(tensor_parallel="shard_map") for the explicit step), so the
+choice rests on the scaling measured here, ``tp_scaling``: t_verify on one device over t_verify on
+x, which on two H200s through GSPMD was below 1 (benchmarks/notes/gpu_decode.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Profile:
     t_draft_ms: float
     handoff_ms: float
     d: int
+    tensor_parallel: str = ""  # the target's form on x > 1 devices: "gspmd" / "shard_map"
 
     @property
     def iteration_ms(self) -> float:
@@ -97,7 +103,19 @@ def measure(
         lambda: jax.device_put(tbox["v"], on_d), reps
     )
     d = max(1, round((t_verify - handoff) / t_draft))
-    return Profile(x, y, t_verify, t_draft, handoff, d)
+    form = wp.target.kernels.tensor_parallel if x > 1 else ""
+    return Profile(x, y, t_verify, t_draft, handoff, d, form)
+
+
+def tp_scaling(profiles: list[Profile]) -> dict[int, float]:
+    """How much faster the target verifies on x devices than on one (t_verify(1) / t_verify(x),
+    the fastest of the splits with x target devices); {} without a one-device profile."""
+    best: dict[int, float] = {}
+    for p in profiles:
+        best[p.target_devices] = min(best.get(p.target_devices, float("inf")), p.t_verify_ms)
+    if 1 not in best:
+        return {}
+    return {x: round(best[1] / t, 3) for x, t in sorted(best.items())}
 
 
 def splits(target_cfg, draft_cfg, n_devices: int) -> list[tuple[int, int]]:
@@ -149,15 +167,17 @@ def tune(target, draft, options: sw.Options, ids, lens, req, kernels, progress=N
         # kept with the draft's model (the target itself for a self-draft): times depend on
         # the target and that draft only
         key = ("swiftspec-profile", target.layout, len(prompt) // 256, tuple(sorted(kw.items())))
-        best = dm._cache.get(key)
-        if best is None:
+        every = dm._cache.get(key)
+        if every is None:
             if progress:
                 progress("profiling SwiftSpec's workers on every device split")
             probe = [int(target.config.bos_token_id or 1)] * max(len(prompt), 1)
-            best = dm._cache[key] = profile(target, draft, probe, **kw)[0]
+            every = dm._cache[key] = profile(target, draft, probe, **kw)
+        best = every[0]
     else:
         tdev, ddev = sw.split_devices(target.config, dm.config, x, y)
         best = measure(target, draft, prompt, (len(tdev), len(ddev)), **kw)
+        every = [best]
     depth = options.depth if options.depth is not None else best.d
     new = dataclasses.replace(
         options, target_devices=best.target_devices, draft_devices=best.draft_devices,
@@ -169,5 +189,5 @@ def tune(target, draft, options: sw.Options, ids, lens, req, kernels, progress=N
             "draft_devices": best.draft_devices,
             "d": depth,
         },  # fmt: skip
-        "stats": {"profiled": dataclasses.asdict(best)},
+        "stats": {"profiled": dataclasses.asdict(best), "tp_scaling": tp_scaling(every)},
     }

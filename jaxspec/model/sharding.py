@@ -23,10 +23,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import DeviceError
+from jaxspec.model import tensor_parallel
 from jaxspec.model.transformer import Model, param_shapes, with_params
 from pallas_kernels import quant
 
-TP = "tp"
+TP = tensor_parallel.AXIS
 
 # Logical axis names per parameter (by the last two path parts: module, leaf), for [in, out]
 # kernels, [V, D] embeddings and 1-D biases / norm weights. None: not split.

@@ -8,7 +8,9 @@ draft-tree expansion are all this one call with different blocks.
 At run time a ``Model`` is split once into (graphdef, parameter state); its leaves are flattened
 once (``Model.flat``), and programs take the flat leaves plus a ``Net``: the static, hashable
 description of the model a program is compiled for (graph, config, resolved ``KernelConfig``,
-leaf structure), hashed once. NNX traversal happens only while tracing.
+leaf structure, tensor-parallel layout), hashed once. NNX traversal happens only while tracing.
+Weights on a tensor-parallel mesh run through GSPMD or, with ``KernelConfig(tensor_parallel=
+"shard_map")``, through the explicit step of ``tensor_parallel`` (the same modules per device).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import tensor_parallel
 from jaxspec.model.attention import Attention
 from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
 from jaxspec.model.layers import (
@@ -71,12 +74,15 @@ class DecoderLayer(nnx.Module):
         linears += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         return tuple(weight_of(lin.kernel) for lin in linears)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels):
+    def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels, parallel=None):
+        """``parallel``: the explicit tensor-parallel step's ``Collectives`` (None: one device),
+        which sums the row-parallel o_proj's and down's partials over the devices."""
+        reduce = (lambda y: y) if parallel is None else parallel.reduce
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x, kernels), cos, sin, k_cache, v_cache, length, block, kernels
         )
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
+        x = x + reduce(h)
+        x = x + reduce(self.mlp(self.post_attention_layernorm(x, kernels), kernels))
         return x, k_cache, v_cache
 
     def fused(self, x, pending, cos, sin, k_cache, v_cache, length, block, kernels, mode: str):
@@ -136,12 +142,16 @@ class Transformer(nnx.Module):
         select: Int[Array, "b l"] | None,
         kernels: KernelConfig,
         features: tuple[int, ...] | None = None,
+        parallel: tensor_parallel.Collectives | None = None,
     ):
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
         with this block's K/V written. ``cache.length`` is unchanged: the caller commits. With
-        ``features`` (see ``apply``) also the hidden states they name at every block position."""
+        ``features`` (see ``apply``) also the hidden states they name at every block position.
+        ``parallel``: one device's part of the explicit tensor-parallel step (its vocabulary
+        slice of the embedding and of the logits, its heads)."""
         b, t = tokens.shape
-        x = embed_rows(weight_of(self.embed_tokens), tokens)
+        table = weight_of(self.embed_tokens)
+        x = embed_rows(table, tokens) if parallel is None else parallel.embed(table, tokens)
         mode = self.layers[0].fused_mode(x, kernels)  # the split-K kernels take this step
         rows = stream_rows(b * t, kernels) if mode is None else None
         if rows is not None:  # the residual stream as padded rows [rows, d]
@@ -162,7 +172,7 @@ class Transformer(nnx.Module):
             x = fused_linear.settle(x, pending)
         else:
             for i, (layer, kc, vc) in enumerate(layers):
-                x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels)
+                x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels, parallel)
                 ks.append(kc)
                 vs.append(vc)
                 if features is not None and i in features:
@@ -198,18 +208,21 @@ class Transformer(nnx.Module):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Net:
     """What a compiled program knows of a model: its NNX graph, config, resolved kernels, the
-    structure of its flat parameter leaves (quantized weights' formats included) and its compute
-    dtype (of activations and the KV cache). Static and hashable; the hash is computed once,
-    since a compile-cache or jit key must not walk the NNX graph on every call."""
+    structure of its flat parameter leaves (quantized weights' formats included), its compute
+    dtype (of activations and the KV cache) and how its leaves lie over a tensor-parallel mesh
+    (``tp``; None: one device, or a mesh the explicit step does not take). Static and hashable;
+    the hash is computed once, since a compile-cache or jit key must not walk the NNX graph on
+    every call."""
 
     graphdef: nnx.GraphDef
     cfg: ModelConfig
     kernels: KernelConfig
     treedef: object  # of the parameter state's leaves (``Model.flat``)
     dtype: str = "float32"
+    tp: tensor_parallel.TensorParallel | None = None
 
     def __post_init__(self):
-        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef, self.dtype)
+        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef, self.dtype, self.tp)
         object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:
@@ -220,11 +233,12 @@ class Net:
             return True
         if not isinstance(other, Net) or self._hash != other._hash:
             return False
-        return (self.cfg, self.kernels, self.treedef, self.dtype) == (
+        return (self.cfg, self.kernels, self.treedef, self.dtype, self.tp) == (
             other.cfg,
             other.kernels,
             other.treedef,
             other.dtype,
+            other.tp,
         ) and self.graphdef == other.graphdef
 
     def params(self, flat):
@@ -232,7 +246,7 @@ class Net:
         return jax.tree.unflatten(self.treedef, flat)
 
     def with_kernels(self, kernels: KernelConfig) -> Net:
-        return Net(self.graphdef, self.cfg, kernels, self.treedef, self.dtype)
+        return Net(self.graphdef, self.cfg, kernels, self.treedef, self.dtype, self.tp)
 
 
 def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, features=None):
@@ -243,7 +257,12 @@ def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, fea
     then the call returns ``(logits, cache, feats [b, t, len(features) * d])``, the states at
     every block position concatenated in that order: index i >= 0 is the residual stream after
     decoder layer i, ``FINAL`` (-1) the final norm's output (what the LM head reads). Only a
-    call that asks traces them; the logits are computed the same way either way."""
+    call that asks traces them; the logits are computed the same way either way.
+
+    Under the explicit tensor-parallel step the logits come split over the vocabulary: read
+    them through ``tensor_parallel.argmax`` and its kin (the features are whole)."""
+    if tensor_parallel.active(net):
+        return tensor_parallel.forward(net, flat, tokens, cache, block, select, features)
     module = nnx.merge(net.graphdef, net.params(flat))
     if features is None:
         return module(tokens, cache, block, select, net.kernels)
@@ -284,6 +303,11 @@ class Weights:
         """Whether the leaves are laid out over several devices (tensor parallel)."""
         return any(len(getattr(s, "device_set", ())) > 1 for _, _, s in self.layout)
 
+    @functools.cached_property
+    def tp(self) -> tensor_parallel.TensorParallel | None:
+        """How the leaves lie over a 1-D tensor-parallel mesh (None: they do not)."""
+        return tensor_parallel.layout_of(s for _, _, s in self.layout)
+
 
 def weights_of(params) -> Weights:
     leaves, treedef = jax.tree.flatten(params)
@@ -310,9 +334,11 @@ class Network:
 
     @property
     def dtype(self):
-        """The compute dtype (activations, KV cache): the final norm's, which is never
-        quantized."""
-        return weight_of(self.params["norm"]["weight"]).dtype
+        """The compute dtype (activations, KV cache): a norm's, which is never quantized (the
+        final norm; a feature head has none, so its first layer's input norm)."""
+        p = self.params
+        norm = p["norm"] if "norm" in p else p["layers"][0]["input_layernorm"]
+        return weight_of(norm["weight"]).dtype
 
     @property
     def weights(self) -> Weights:
@@ -344,7 +370,9 @@ class Network:
         if net is None:
             resolved = want.resolve(self.config, sharded=spans)
             dtype = jnp.dtype(self.dtype).name
-            net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef, dtype)
+            tp = w.tp if spans else None
+            net = Net(self.graphdef, self.config, resolved, w.treedef, dtype, tp)
+            self._cache[key] = net
         return net
 
 

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.errors import DraftError, OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import tensor_parallel
 from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, commit_ring, init_cache
 from jaxspec.model.prefill import prefill
@@ -119,8 +120,8 @@ class ModelDraft:
         toks, qs = [], []
         for i in range(gamma):
             key, sub = jax.random.split(key)
-            toks.append(sample(sub, logits[:, 0], sampling))
-            qs.append(probs(logits[:, 0], sampling))
+            toks.append(sample(sub, logits[:, 0], sampling, self.net))
+            qs.append(self.q(logits[:, 0], toks[-1], sampling))
             if i == gamma - 1:
                 break
             off = s.npend + i  # block slot of draft token i
@@ -131,6 +132,13 @@ class ModelDraft:
             )
             logits, cache = apply(self.net, params, toks[-1][:, None], cache, blk)
         return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
+
+    def q(self, logits, tok, sampling: Sampling):
+        """The distribution ``tok`` was drawn from: one-hot when greedy (no whole rows needed
+        when the logits are split over devices)."""
+        if sampling.greedy:
+            return jax.nn.one_hot(tok, self.net.cfg.vocab_size, dtype=jnp.float32)
+        return probs(tensor_parallel.gather(self.net, logits), sampling)
 
     def commit(self, s: ModelDraftState, tokens, n_acc, next_token, feats=None):
         gamma = tokens.shape[1]

@@ -4,6 +4,9 @@ Every lossless rule compares distributions produced by ``probs``: the target's p
 come from the same processing (temperature, then top-k, then top-p), so "the target's
 distribution" always means the processed one. Greedy is temperature 0: p is one-hot at argmax
 (first index on ties, as ``jnp.argmax``).
+
+``sample`` takes the model's ``Net``: under the explicit tensor-parallel step its logits come split
+over the vocabulary, and greedy and temperature draws never gather them (``tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxspec.errors import OptionError
+from jaxspec.model import tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,15 @@ def draw(key, p: Float[Array, "*b v"]) -> Int[Array, "*b"]:
     return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
 
 
-def sample(key, logits: Float[Array, "*b v"], s: Sampling) -> Int[Array, "*b"]:
+def sample(key, logits: Float[Array, "*b v"], s: Sampling, net=None) -> Int[Array, "*b"]:
+    """One token per row from the processed distribution of ``logits``, the output of ``net``'s
+    forward (None: logits on one device, or laid out as GSPMD leaves them)."""
+    if net is not None and tensor_parallel.active(net):
+        if s.greedy:
+            return tensor_parallel.argmax(net, logits)
+        if s.top_k == 0 and s.top_p == 1.0:  # Gumbel-max over the split vocabulary
+            return tensor_parallel.gumbel_argmax(net, key, logits, s.temperature)
+        logits = tensor_parallel.gather(net, logits)  # top-k / top-p rank the whole vocabulary
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return draw(key, probs(logits, s))

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from jaxspec.model import tensor_parallel
 from jaxspec.model.kv_cache import Block, KVCache, advance, move
 from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.spec import drafts
 from jaxspec.spec import tree as T
-from jaxspec.spec.acceptance import top_children
 from jaxspec.spec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
 from jaxspec.spec.feature_drafts import FeatureDraft, FeatureTreeDraft
 from jaxspec.spec.sampling import Sampling
@@ -96,8 +95,9 @@ class ModelTreeDraft:
                     block_mask=jnp.concatenate([jnp.zeros((b, 1, n), bool), block.block_mask], 1),
                 )
             logits, cache = apply(self.net, params, tokens, cache, block)
-            logp = jax.nn.log_softmax(logits[:, 1:] if e == 0 else logits, axis=-1)
-            child_tok, child_lp = top_children(logp, branch)
+            child_tok, child_lp = tensor_parallel.top_log_probs(
+                self.net, logits[:, 1:] if e == 0 else logits, branch
+            )
             tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
             ran = jnp.arange(n)[None, None, :] == leaves[:, :, None]  # [b, w, n]
             recomputed = recomputed + jnp.sum(

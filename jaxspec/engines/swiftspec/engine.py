@@ -134,6 +134,7 @@ class SwiftSpecStats(base.TreeStats):
     d: int = 0
     loop: str = ""
     profiled: dict | None = None
+    tp_scaling: dict | None = None  # the profile's t_verify(1 device) / t_verify(x devices)
 
 
 def split_devices(target_cfg, draft_cfg, x: int | None, y: int | None) -> tuple[list, list]:
@@ -208,8 +209,11 @@ class SwiftSpec(base.Engine):
                           bs=options.bs)  # fmt: skip
         pt, on_t = sharding.place(target, tdev)
         pd, on_d = sharding.place(dm, ddev)
+        # resolved from the placed draft (for a self-draft: the target's weights on mesh B),
+        # so its Net knows the layout it runs at
+        on_b = (target, pd) if isinstance(draft, Model) else (pd, draft)
         td, _ = tree_drafts.resolve(
-            target, draft, capacity=shape.capacity, depth=shape.depth, kernels=kernels,
+            *on_b, capacity=shape.capacity, depth=shape.depth, kernels=kernels,
             sharded=len(ddev) > 1, **options.draft_kwargs(),
         )  # fmt: skip
         td = dataclasses.replace(td, reuse_target_cache=False)  # the target's cache is on mesh A
