@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxspec.engines import ENGINES, base
@@ -117,6 +118,13 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     )
     options = engine.Options.parse(method, method_options)
     chosen = None
+    if engine.open_choices(options) and jax.process_count() > 1:
+        raise OptionError(
+            f"method={method!r} leaves {', '.join(engine.open_choices(options))} to be chosen by "
+            f"timing, and the {jax.process_count()} processes of this job would time differently "
+            "and build different programs; give them (swiftspec: target_devices, draft_devices, "
+            "depth; magicdec: gamma and shape)."
+        )
     if engine.open_choices(options):
         options, chosen = tuning.tune(engine, target, draft, options, padded, lens, req, kernels)
     prog, dweights = engine.program(target, draft, options, req, kernels)

@@ -29,8 +29,10 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
+from jaxspec import distributed
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.io import fingerprint, restore
 from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
 from jaxspec.model.transformer import Model, abstract_model
@@ -700,10 +702,12 @@ def load(
     """Load a converted checkpoint: onto the default device, or sharded over ``mesh``.
 
     With a mesh, attention heads, the MLP width and the vocabulary are split over its ``"tp"``
-    axis (see ``jaxspec.model.sharding``); every array is restored directly into its shards.
+    axis (see ``jaxspec.model.sharding``); every array is restored directly into its shards, and
+    a mesh over several processes' devices has each process read only its own. In a distributed
+    job every process calls ``load`` alike; a process given another checkpoint is a
+    ``CheckpointError`` in all of them (``jaxspec.io.fingerprint``).
     ``dtype`` casts the parameters (default: the stored dtype).
     """
-    import orbax.checkpoint as ocp
 
     path = pathlib.Path(path).expanduser().absolute()
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -734,9 +738,12 @@ def load(
             f"{path} has no params/ folder; the conversion did not finish or the files were "
             "moved. Convert the model again."
         )
-    if mesh is None:
+    digest = fingerprint.files(path)
+    shown = f"{path} (fingerprint {digest})"
+    distributed.agree("the checkpoint", digest, shown=shown, error=CheckpointError)
+    if mesh is None:  # in a distributed job: a whole copy in each process, on its first device
         shardings = None
-        device = SingleDeviceSharding(jax.devices()[0])
+        device = SingleDeviceSharding(jax.local_devices()[0])
     else:
         from jaxspec.model.sharding import param_specs
 
@@ -747,7 +754,7 @@ def load(
         dtype = stored
     jdtype = None if dtype is None else jnp.dtype(_np_dtype(dtype))
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with restore.checkpointer(mesh) as ckptr:
             if jdtype is None:
                 meta = ckptr.metadata(params_dir)
                 meta = getattr(meta, "item_metadata", meta)
@@ -759,10 +766,13 @@ def load(
                 ),
                 nnx.to_pure_dict(state),
             )
-            restored = ckptr.restore(params_dir, _str_keys(target))
+            restored = restore.restore(ckptr, params_dir, _str_keys(target), mesh)
     except Exception as e:  # Orbax / tensorstore raise ValueError, FileNotFoundError, ...
         raise _corrupt(params_dir, e) from None
     nnx.replace_by_pure_dict(state, _int_keys(restored))
+    digest = fingerprint.weights(state)
+    shown = f"{path} (weights {digest})"
+    distributed.agree("the checkpoint's weights", digest, shown=shown, error=CheckpointError)
     tok = None
     if (path / "tokenizer").is_dir():
         tok = _load_tokenizer(str(path / "tokenizer"))
