@@ -104,14 +104,15 @@ def emit(o: Out, new: Int[Array, "b w"], n_new: Int[Array, " b"], eos) -> Out:
     return Out(tokens, count, done, o.steps + 1, emitted, o.live_steps + live)
 
 
-def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int):
+def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int, features=None):
     """The shared beginning of every engine: the target's cache (``capacity`` slots), its
-    prefill, the first token drawn and the output holding it. Returns (cache, token, out, key)."""
-    cache = init_cache(net.cfg, ids.shape[0], capacity, tflat[0].dtype)
-    logits, cache = prefill(net, tflat, cache, ids, lens)
+    prefill, the first token drawn and the output holding it. Returns (cache, token, out, key),
+    and the prompt's hidden states ``features`` names (``prefill``'s) after them when given."""
+    cache = init_cache(net.cfg, ids.shape[0], capacity, net.dtype)
+    logits, cache, *feats = prefill(net, tflat, cache, ids, lens, features)
     key, sub = jax.random.split(key)
     tok = sample(sub, logits, req.sampling)
-    return cache, tok, first(tok, req), key
+    return cache, tok, first(tok, req), key, *feats
 
 
 def until_done(step, s, chunk: int):

@@ -22,6 +22,7 @@ import dataclasses
 
 from jaxspec.engines import base, chain, tree
 from jaxspec.errors import DraftError, OptionError
+from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.transformer import Model
 from jaxspec.spec import drafts, tree_drafts
 
@@ -101,9 +102,9 @@ class MagicDecStats(base.SpecStats):
 
 
 def resolve_draft(target: Model, draft, options: Options, kernels):
-    """(draft object, its weights) for MagicDec: a sparse-KV self draft, or a draft Model with a
-    sparse (default "streaming") or "dense" cache. Checks that the draft's recent window holds
-    the largest block a run may speculate."""
+    """(draft object, its weights) for MagicDec: a sparse-KV self draft, a draft Model with a
+    sparse (default "streaming") or "dense" cache, or a feature draft (dense). Checks that the
+    draft's recent window holds the largest block a run may speculate."""
     if draft == "ngram":
         raise DraftError(
             "method='magicdec' speculates with a sparse-KV draft: pass draft='self-streaming', "
@@ -115,7 +116,9 @@ def resolve_draft(target: Model, draft, options: Options, kernels):
             "'self-snapkv' or a draft Model (which gets a StreamingLLM cache)."
         )
     sparse = options.sparse
-    if isinstance(draft, Model):
+    if isinstance(draft, FeatureModel):  # always dense (spec.feature_drafts): resolve checks
+        sparse = None if sparse == "dense" else sparse
+    elif isinstance(draft, Model):
         sparse = "streaming" if sparse is None else sparse
         sparse = None if sparse == "dense" else sparse
     elif sparse is not None:
@@ -169,7 +172,8 @@ class MagicDec(base.Engine):
             )
         d, w = resolve_draft(target, draft, options, kernels)
         if options.resolved_shape == "tree":
-            td = tree_drafts.tree_form(d, options.tree_shape.capacity)
+            sh = options.tree_shape
+            td = tree_drafts.tree_form(d, sh.capacity, sh.depth)
             return tree.ENGINE.program(
                 target, None, tree_options(options), req, kernels, resolved=(td, w)
             )

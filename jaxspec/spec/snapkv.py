@@ -32,7 +32,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.model.kv_cache import KVCache, causal_block
-from jaxspec.model.layers import rope_tables
+from jaxspec.model.layers import embed_rows, rope_tables, weight_of
 from jaxspec.model.transformer import Net
 from pallas_kernels.reference import apply_rope
 
@@ -58,7 +58,7 @@ def window_queries(
     block = causal_block(start, start, n, obs)
     module = nnx.merge(net.graphdef, net.params(flat))
     cfg = module.cfg
-    x = module.embed_tokens[...][tok]
+    x = embed_rows(weight_of(module.embed_tokens), tok)
     cos, sin = rope_tables(cfg, block.positions)
     b = ids.shape[0]
     qs = []
