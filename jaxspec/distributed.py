@@ -154,14 +154,14 @@ def agree(
             ) from None
         if got is not None:
             values[p] = got
-    if len({v for v, _ in values.values()}) > 1:
-        first = min(values)
-        differ = sorted(p for p, (v, _) in values.items() if v != values[first][0])
-        text = "; ".join(f"process {p}: {_short(t)}" for p, (_, t) in sorted(values.items()))
-        raise error(
-            f"the processes disagree on {what} (process {', '.join(map(str, differ))} differ "
-            f"from process {first}): {text}. Start every process with the same {what}."
-        )
+        if len({v for v, _ in values.values()}) > 1:  # at once: the rest may never arrive
+            first = min(values)
+            differ = sorted(p for p, (v, _) in values.items() if v != values[first][0])
+            text = "; ".join(f"process {p}: {_short(t)}" for p, (_, t) in sorted(values.items()))
+            raise error(
+                f"the processes disagree on {what} (process {', '.join(map(str, differ))} "
+                f"differ from process {first}): {text}. Start every process with the same {what}."
+            )
 
 
 def _short(value: str) -> str:

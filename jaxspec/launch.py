@@ -1,6 +1,9 @@
 """Starting and watching the processes of a distributed run: ``jaxspec launch -n N -- COMMAND``
-(N processes on this machine, for trying it and for tests) and the supervisor that every
-distributed ``generate`` or ``bench`` process runs under.
+(N processes on this machine, for trying it and for tests), the supervisor that every
+distributed ``generate`` or ``bench`` process runs under, and the command line's job flags
+(``--tp``, ``--coordinator``, ``--num-processes``, ``--process-id``, ``--timeout`` and their
+``JAXSPEC_*`` variables), which ``jaxspec.cli`` takes through three hooks: ``add_job_args``,
+``run`` and ``target_mesh``.
 
 Why a supervisor: JAX's runtime ends a process whose peer died, stopped answering, or never
 joined with SIGABRT (see ``jaxspec.distributed``); no exception reaches Python. The command a
@@ -12,6 +15,8 @@ about the timeout, on every machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import errno
 import os
 import signal
@@ -21,12 +26,152 @@ import sys
 import tempfile
 import time
 
+import jax
+
+from jaxspec import distributed
 from jaxspec.distributed import DEFAULT_TIMEOUT_S
-from jaxspec.errors import OptionError, WorkerError
+from jaxspec.errors import DeviceError, OptionError, WorkerError
+from jaxspec.model.sharding import tp_mesh
 
 DISTRIBUTED = ("generate", "bench")  # the commands that run over several processes
 JOB_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--timeout")
 SUPERVISED = "JAXSPEC_SUPERVISED"  # set in a child: it does the work itself
+# each job flag's environment variable (a flag given wins); for schedulers that set them
+ENV = {
+    "coordinator": "JAXSPEC_COORDINATOR",
+    "num_processes": "JAXSPEC_NUM_PROCESSES",
+    "process_id": "JAXSPEC_PROCESS_ID",
+    "timeout": "JAXSPEC_TIMEOUT",
+}
+
+
+# ---------------------------------------------------------------- the job flags of generate, bench
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """``--tp`` and the flags that make this process one of a distributed job."""
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="place the target on a tensor-parallel mesh of the first N devices of all "
+        "processes (default: one device)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help=f"HOST:PORT of process 0, which hosts the job's coordination ({ENV['coordinator']})",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        help=f"processes in the job ({ENV['num_processes']})",
+    )
+    p.add_argument(
+        "--process-id", type=int, default=None, help=f"this process's id ({ENV['process_id']})"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for a process to join or answer before every other one stops "
+        f"with an error ({ENV['timeout']}; default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    coordinator: str
+    num_processes: int
+    process_id: int
+    timeout_s: float
+
+
+def _given(args, name: str, kind):
+    value = getattr(args, name, None)
+    if value is not None:
+        return value
+    text = os.environ.get(ENV[name], "").strip()
+    if not text:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        raise OptionError(f"{ENV[name]} must be {kind.__name__}, got {text!r}.") from None
+
+
+def job(args) -> Job | None:
+    """The distributed job the flags (or their variables) describe; None for a plain run."""
+    got = {
+        "coordinator": _given(args, "coordinator", str),
+        "num_processes": _given(args, "num_processes", int),
+        "process_id": _given(args, "process_id", int),
+    }
+    timeout = _given(args, "timeout", float)
+    if all(v is None for v in got.values()):
+        if getattr(args, "timeout", None) is not None:
+            raise OptionError(
+                "--timeout applies to a distributed job; add --coordinator, --num-processes "
+                "and --process-id (or run it through jaxspec launch)."
+            )
+        return None
+    missing = [f"--{k.replace('_', '-')}" for k, v in got.items() if v is None]
+    if missing:
+        raise OptionError(
+            f"a distributed job needs --coordinator, --num-processes and --process-id (or "
+            f"{', '.join(ENV[k] for k in got)}); {', '.join(missing)} missing."
+        )
+    distributed.parse_coordinator(got["coordinator"])
+    distributed.check_layout(got["num_processes"], got["process_id"])
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if not timeout >= 1:
+        raise OptionError(f"--timeout must be at least 1 second, got {timeout:g}.")
+    return Job(got["coordinator"], got["num_processes"], got["process_id"], timeout)
+
+
+def run(args, argv: list[str], work) -> int:
+    """``work()`` as this command asks: in this process when no job is given; under a
+    supervisor (``supervise``) for a job process that a user started; after joining the job
+    for the supervised child (or a ``jaxspec launch`` one). A process other than 0 prints
+    nothing and writes no ``--out`` (its errors still reach stderr)."""
+    j = job(args) if args.command in DISTRIBUTED else None
+    if j is None:
+        return work()
+    if os.environ.get(SUPERVISED) != "1":
+        return supervise(argv, j.process_id, j.timeout_s)
+    distributed.initialize(j.coordinator, j.num_processes, j.process_id, timeout_s=j.timeout_s)
+    if distributed.is_leader():
+        return work()
+    if getattr(args, "out", None) is not None:
+        args.out = None
+    with _quiet():
+        return work()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """stdout and stderr to nowhere, restored before an error propagates (so it is shown)."""
+    with open(os.devnull, "w") as sink:
+        saved = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = sink
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+
+
+def target_mesh(args):
+    """The mesh ``--tp N`` asks for (the first N devices of all processes), or None."""
+    n = getattr(args, "tp", None)
+    if n is None:
+        return None
+    have = len(jax.devices())
+    if n < 1 or n > have:
+        raise DeviceError(
+            f"--tp must be in [1, {have}] (the devices of all processes of this job), got {n}."
+        )
+    return tp_mesh(jax.devices()[:n])
 
 
 def add_parser(sub) -> None:
