@@ -158,9 +158,14 @@ def agree(
             first = min(values)
             differ = sorted(p for p, (v, _) in values.items() if v != values[first][0])
             text = "; ".join(f"process {p}: {_short(t)}" for p, (_, t) in sorted(values.items()))
+            who = (
+                f"process {differ[0]} differs"
+                if len(differ) == 1
+                else (f"processes {', '.join(map(str, differ))} differ")
+            )
             raise error(
-                f"the processes disagree on {what} (process {', '.join(map(str, differ))} "
-                f"differ from process {first}): {text}. Start every process with the same {what}."
+                f"the processes disagree on {what} ({who} from process {first}): {text}. Start "
+                f"them alike: {what} must be the same in every process."
             )
 
 

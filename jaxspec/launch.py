@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -266,16 +267,42 @@ def cmd_launch(args) -> int:
         job = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n)]
         job += ["--process-id", str(k), "--timeout", f"{args.timeout:g}"]
         log = None if k == 0 else tempfile.TemporaryFile()
-        out = None if k == 0 else subprocess.DEVNULL
+        out = subprocess.PIPE if k == 0 else subprocess.DEVNULL
         child = [sys.executable, "-m", "jaxspec.cli", *cmd, *job]
         procs.append(subprocess.Popen(child, env=env, stdout=out, stderr=log))
         logs.append(log)
+    relay = _relay(procs[0].stdout)
     try:
         codes = _wait_all(procs, args.timeout)
     except KeyboardInterrupt:
         _stop(procs, args.timeout)
         return 130
+    relay.join()
     return _report(codes, logs, args.timeout)
+
+
+GLOO = b"[Gloo] "  # gloo's C++ code prints its connections on the process's stdout
+
+
+def _relay(pipe) -> threading.Thread:
+    """Copy a child's stdout to ours as it comes, without gloo's connection lines (they are not
+    the command's output)."""
+
+    def copy():
+        out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        for line in iter(pipe.readline, b""):
+            if line.startswith(GLOO):
+                continue
+            if out is None:
+                sys.stdout.write(line.decode(errors="replace"))
+            else:
+                out.write(line)
+            sys.stdout.flush()
+        pipe.close()
+
+    t = threading.Thread(target=copy, daemon=True)
+    t.start()
+    return t
 
 
 def _wait_all(procs, timeout_s: float) -> list[int]:
@@ -337,12 +364,15 @@ def ended(process_id: int, code: int, timeout_s: float) -> str:
 def supervise(argv: list[str], process_id: int, timeout_s: float) -> int:
     """Run ``jaxspec ARGV`` in a child process and return its exit code, a runtime's abort (or
     another signal) reported as a ``WorkerError`` (raised: the CLI prints it, exit code 2)."""
-    child = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", *argv], env=_env(None))
+    cmd = [sys.executable, "-m", "jaxspec.cli", *argv]
+    child = subprocess.Popen(cmd, env=_env(None), stdout=subprocess.PIPE)
+    relay = _relay(child.stdout)
     try:
         code = child.wait()
     except KeyboardInterrupt:  # the child got it too, and stops on its own
         _stop([child], timeout_s)
         return 130
+    relay.join()
     if code >= 0:
         return code
     raise WorkerError(ended(process_id, code, timeout_s))

@@ -20,7 +20,7 @@ import pytest
 from jaxspec import generate, load
 from jaxspec.cli import main
 from jaxspec.errors import OptionError
-from jaxspec.launch import free_port
+from jaxspec.launch import ended, free_port
 from tests.multihost_worker import NEW, PROMPTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_killed_process_raises_in_the_other_within_the_timeout(checkpoints, tmp_
     "case,kind,match",
     [
         ("processes", "OptionError", "disagree on --num-processes.*process 1: 3"),
-        ("checkpoint", "CheckpointError", "disagree on the checkpoint .*target.*draft"),
+        ("checkpoint", "CheckpointError", "disagree on the checkpoint.*target.*draft"),
     ],
 )
 def test_mismatch_between_processes_is_an_error_in_each(checkpoints, tmp_path, case, kind, match):
@@ -186,3 +186,31 @@ def test_launcher_port_in_use():
         with pytest.raises(OptionError, match=f"port {port} on 127.0.0.1 is in use"):
             free_port(port)
         assert main(["launch", "-n", "2", "--port", str(port), "--", "generate", "x"]) == 2
+
+
+def test_an_ended_process_is_told_in_words():
+    assert "ended by JAX's distributed runtime" in ended(1, -signal.SIGABRT, 5)
+    assert "within --timeout 5 s" in ended(1, -signal.SIGABRT, 5)
+    assert ended(0, -signal.SIGKILL, 5) == "process 0 was killed by SIGKILL."
+    assert ended(1, 3, 5) == "process 1 failed with exit code 3."
+
+
+@pytest.mark.slow
+def test_launch_runs_generate_as_two_processes_and_only_process_0_prints(checkpoints):
+    """``jaxspec launch -n 2 -- generate ... --tp 4``: the target over both processes, one
+    answer printed, the same as one process on one device prints."""
+    words = "w5 w9 w14 w3 w27 w9 w14 w3 w27 w40 w8"
+    gen = ["generate", words, "--raw", "--model", str(checkpoints / "target")]
+    gen += ["--max-new-tokens", "8", "--method", "chain", "--draft", "ngram"]
+    cli = [sys.executable, "-m", "jaxspec.cli"]
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    one = subprocess.run([*cli, *gen], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    launch = ["launch", "-n", "2", "--devices-per-process", "2", "--timeout", "30", "--"]
+    two = subprocess.run(
+        [*cli, *launch, *gen, "--tp", "4"], env=_env(), cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+    assert two.stderr.count("[chain] 8 tokens in") == 1, two.stderr[-3000:]
