@@ -139,6 +139,11 @@ def run(args, argv: list[str], work) -> int:
     j = job(args) if args.command in DISTRIBUTED else None
     if j is None:
         return work()
+    if getattr(args, "budget_s", None) is not None:
+        raise OptionError(
+            "--budget-s stops by the clock, and the processes of a job would stop at different "
+            "batches (then wait on each other); leave it out and bound the run by --prompts."
+        )
     if os.environ.get(SUPERVISED) != "1":
         return supervise(argv, j.process_id, j.timeout_s)
     distributed.initialize(j.coordinator, j.num_processes, j.process_id, timeout_s=j.timeout_s)

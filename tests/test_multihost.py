@@ -159,6 +159,8 @@ def test_mismatch_between_processes_is_an_error_in_each(checkpoints, tmp_path, c
           "localhost"], "--coordinator takes HOST:PORT"),
         (["generate", "x", "--num-processes", "2"], "--coordinator, --process-id missing"),
         (["generate", "x", "--timeout", "5"], "--timeout applies to a distributed job"),
+        (["bench", "--budget-s", "9", "--num-processes", "2", "--process-id", "0",
+          "--coordinator", "127.0.0.1:1234"], "--budget-s stops by the clock"),
         (["generate", "x", "--model", "/nonexistent", "--tp", "99"], r"--tp must be in \[1, \d+\]"),
     ],
 )  # fmt: skip
@@ -189,10 +191,10 @@ def test_launcher_port_in_use():
 
 
 def test_an_ended_process_is_told_in_words():
-    assert "ended by JAX's distributed runtime" in ended(1, -signal.SIGABRT, 5)
-    assert "within --timeout 5 s" in ended(1, -signal.SIGABRT, 5)
-    assert ended(0, -signal.SIGKILL, 5) == "process 0 was killed by SIGKILL."
-    assert ended(1, 3, 5) == "process 1 failed with exit code 3."
+    assert "ended by JAX's distributed runtime" in ended(1, -signal.SIGABRT, 5.0)
+    assert "within --timeout 5 s" in ended(1, -signal.SIGABRT, 5.0)
+    assert ended(0, -signal.SIGKILL, 5.0) == "process 0 was killed by SIGKILL."
+    assert ended(1, 3, 5.0) == "process 1 failed with exit code 3."
 
 
 @pytest.mark.slow

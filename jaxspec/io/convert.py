@@ -28,7 +28,6 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-from jaxspec import distributed
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
 from jaxspec.io import fingerprint, restore
@@ -292,9 +291,7 @@ def load(
             f"{path} has no params/ folder; the conversion did not finish or the files were "
             "moved. Convert the model again."
         )
-    digest = fingerprint.files(path)
-    shown = f"{path} (fingerprint {digest})"
-    distributed.agree("the checkpoint", digest, shown=shown, error=CheckpointError)
+    fingerprint.agree_files(path)
     if mesh is None:  # in a distributed job: a whole copy in each process, on its first device
         shardings = None
         device = SingleDeviceSharding(jax.local_devices()[0])
@@ -324,9 +321,7 @@ def load(
     except Exception as e:  # Orbax / tensorstore raise ValueError, FileNotFoundError, ...
         raise _corrupt(params_dir, e) from None
     nnx.replace_by_pure_dict(state, _int_keys(restored))
-    digest = fingerprint.weights(state)
-    shown = f"{path} (weights {digest})"
-    distributed.agree("the checkpoint's weights", digest, shown=shown, error=CheckpointError)
+    fingerprint.agree_weights(path, state)
     tok = None
     if (path / "tokenizer").is_dir():
         tok = load_tokenizer(str(path / "tokenizer"))

@@ -18,6 +18,23 @@ import pathlib
 import jax
 import numpy as np
 
+from jaxspec import distributed
+from jaxspec.errors import CheckpointError
+
+
+def agree_files(path: pathlib.Path) -> None:
+    """Every process of a job loads the checkpoint of the same description (CheckpointError)."""
+    digest = files(path)
+    shown = f"{path} (fingerprint {digest})"
+    distributed.agree("the checkpoint", digest, shown=shown, error=CheckpointError)
+
+
+def agree_weights(path: pathlib.Path, params) -> None:
+    """Every process that holds a shard of the restored model holds the same small weights."""
+    digest = weights(params)
+    shown = f"{path} (weights {digest})"
+    distributed.agree("the checkpoint's weights", digest, shown=shown, error=CheckpointError)
+
 
 def files(path: pathlib.Path) -> str:
     """A short hex digest of the checkpoint folder ``path``'s description: ``config.json``,
