@@ -216,3 +216,22 @@ def test_launch_runs_generate_as_two_processes_and_only_process_0_prints(checkpo
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and one.stdout.strip()
     assert two.stderr.count("[chain] 8 tokens in") == 1, two.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_process_that_never_joins_is_a_worker_error_within_the_timeout(checkpoints):
+    """``jaxspec generate --coordinator ...`` started as process 0 of 2 with no process 1: its
+    supervisor reports JAX's abort as a ``WorkerError`` (``error: ...``, exit code 2)."""
+    job = ["--coordinator", f"127.0.0.1:{free_port(None)}", "--num-processes", "2"]
+    job += ["--process-id", "0", "--timeout", "5"]
+    gen = ["generate", "w5 w9", "--raw", "--model", str(checkpoints / "target"), *job]
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", *gen], env=_env(), cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: process 0 was ended by JAX's distributed runtime"), last
+    assert r.stdout == "" and took < 5 + 60, took
