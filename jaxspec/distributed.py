@@ -180,6 +180,12 @@ def _processes(sharding) -> frozenset[int]:
     return frozenset(d.process_index for d in sharding.device_set)
 
 
+def spans(*shardings) -> bool:
+    """Whether these shardings' devices belong to more than one process: then what is run on
+    them must be decided alike in every process (by no clock, no local event)."""
+    return len(frozenset().union(*(_processes(s) for s in shardings))) > 1
+
+
 def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """``x`` (replicated on its devices; integers, bools or 32-bit floats) as an array
     replicated over ``dst`` (``dst.spec`` must replicate).

@@ -151,6 +151,7 @@ class ThreadLoop:
         self.errors: list[BaseException] = []
         self.laps = {"target": Laps(), "draft": Laps()}
         self.refills: list = []
+        self.spans = distributed.spans(self.setup.on_t, self.setup.on_d)
         with base.Timer() as h:
             self.to_target.put((distributed.transfer(flat, self.setup.on_t), None))
         self.stats.handoff_s += h.s
@@ -230,7 +231,9 @@ class ThreadLoop:
                 stats.expansions_in_flight += 1
             clock.lap("extra")
             msg = self.to_draft.get()
-            if msg is _STOP or self.finished.is_set():
+            # a finished target is news only in this process: across processes the last
+            # verdict's handoffs (collectives) are made in every process, or they deadlock
+            if msg is _STOP or (self.finished.is_set() and not self.spans):
                 return
             ts, verdict, vflat = msg
             # counted, not timed: the verdict was not ready when the draft took it, so the
