@@ -58,6 +58,7 @@ ORDER = [
     "gamma_sweep_cpu",
     "distill",
     "small_model",
+    "multihost",
     "spec_e2e_gpu",
     "bench_h200",
     "bench_h200_peers",

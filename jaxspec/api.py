@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxspec.engines import ENGINES, base
@@ -123,6 +124,13 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     chosen = None
     if progress is not None and not callable(progress):
         raise OptionError(f"progress must be a function of one message, got {progress!r}.")
+    if engine.open_choices(options) and jax.process_count() > 1:
+        raise OptionError(
+            f"method={method!r} leaves {', '.join(engine.open_choices(options))} to be chosen by "
+            f"timing, and the {jax.process_count()} processes of this job would time differently "
+            "and build different programs; give them (swiftspec: target_devices, draft_devices, "
+            "depth; magicdec: gamma and shape)."
+        )
     if engine.open_choices(options):
         options, chosen = tuning.tune(
             engine, target, draft, options, padded, lens, req, kernels, progress=progress

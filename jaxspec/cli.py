@@ -16,7 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxspec import provenance
+from jaxspec import launch, provenance
 from jaxspec.api import generate
 from jaxspec.engines import tree
 from jaxspec.errors import DeviceError, JaxspecError, OptionError
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_generation_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    launch.add_job_args(g)
 
     b = sub.add_parser(
         "bench",
@@ -187,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         "counts; costs extra time outside every measured wall (default: on)",
     )
     b.add_argument("--out", default=None, help="write the JSON here")
+    launch.add_job_args(b)
+    launch.add_parser(sub)
 
     pr = sub.add_parser(
         "profile",
@@ -342,7 +345,9 @@ def _quantized(args) -> bool | None:
 
 def _load_target(args):
     path = args.model or default_checkpoint()
-    model = load(path, dtype=_dtype(args.dtype), quantized=_quantized(args))
+    model = load(
+        path, dtype=_dtype(args.dtype), mesh=launch.target_mesh(args), quantized=_quantized(args)
+    )
     model.kernels = args.kernels
     return model
 
@@ -680,6 +685,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "profile": cmd_profile,
     "distill": cmd_distill,
+    "launch": launch.cmd_launch,
 }
 
 
@@ -709,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "convert":  # a bad kernel setting fails before any work
             args.kernels = kernels()
         _check_before_work(args)
-        return COMMANDS[args.command](args)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return launch.run(args, argv, lambda: COMMANDS[args.command](args))
     except JaxspecError as e:
         print(f"error: {cli_message(str(e))}", file=sys.stderr)
         return 2

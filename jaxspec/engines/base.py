@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from jaxspec import distributed
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import init_cache
@@ -463,8 +464,8 @@ def on_device(
     exe, compile_s = compiled(
         fn, prog, (target.flat, dflat, ids, lens, seed), key, progress=progress, what=what
     )
-    with Timer() as t:
-        out = jax.device_get(exe(target.flat, dflat, ids, lens, seed))
+    with Timer() as t:  # every process gets the outputs, however the weights are laid out
+        out = distributed.fetch(exe(target.flat, dflat, ids, lens, seed))
     return out, t.s, compile_s
 
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, JaxspecError, OptionError
+from jaxspec.io import fingerprint, restore
 from jaxspec.io.gguf import GGUFSource
 from jaxspec.io.hf import hf_reader, load_tokenizer
 from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
@@ -339,27 +340,29 @@ def load(
 
     With a mesh, attention heads, the MLP width and the vocabulary are split over its ``"tp"``
     axis (see ``jaxspec.model.sharding``, which lays out quantized weights too); every array is
-    restored directly into its shards. ``dtype`` casts the float parameters and is the compute
-    dtype of quantized ones (default: the stored dtype). ``quantized``: keep a quantized
+    restored directly into its shards, and a mesh over several processes' devices has each
+    process read only its own. In a distributed job every process calls ``load`` alike; a
+    process given another checkpoint is a ``CheckpointError`` in all of them
+    (``jaxspec.io.fingerprint``). ``dtype`` casts the float parameters and is the compute dtype
+    of quantized ones (default: the stored dtype). ``quantized``: keep a quantized
     checkpoint's weights quantized (True) or dequantize them once, here (False); None: this
     backend's ``KEEP_QUANTIZED``.
     """
-    import orbax.checkpoint as ocp
-
     path = pathlib.Path(path).expanduser().absolute()
     cfg, stored, fmts = _read_checkpoint(path)
+    fingerprint.agree_files(path)
     params_dir = path / "params"
     dtype = stored if dtype is None else dtype
     jdtype = None if dtype is None else jnp.dtype(_np_dtype(dtype))
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with restore.checkpointer(mesh) as ckptr:
             if jdtype is None:  # an old checkpoint without its dtype: its first leaf's
                 meta = ckptr.metadata(params_dir)
                 meta = getattr(meta, "item_metadata", meta)
                 jdtype = jnp.dtype(jax.tree.leaves(getattr(meta, "tree", meta))[0].dtype)
             graphdef, state = Q.abstract_params(cfg, jdtype, fmts)
             template = _template(nnx.to_pure_dict(state), cfg, jdtype, mesh)
-            restored = ckptr.restore(params_dir, _str_keys(Q.storable(template)))
+            restored = restore.restore(ckptr, params_dir, _str_keys(Q.storable(template)), mesh)
     except JaxspecError:  # a mesh that does not fit the model (DeviceError): said as it is
         raise
     except Exception as e:  # Orbax / tensorstore raise ValueError, FileNotFoundError, ...
@@ -371,6 +374,7 @@ def load(
         if mesh is not None:  # laid out as the float model is
             pure = jax.device_put(pure, param_specs(cfg, mesh))
     nnx.replace_by_pure_dict(state, pure)
+    fingerprint.agree_weights(path, state)
     tok = None
     if (path / "tokenizer").is_dir():
         tok = load_tokenizer(str(path / "tokenizer"))
@@ -418,8 +422,8 @@ def _template(pure: dict, cfg: ModelConfig, dtype, mesh: Mesh | None) -> dict:
     """The restore template: every parameter of the abstract nested dict ``pure`` as a
     ``jax.ShapeDtypeStruct`` with its final sharding (float ones in ``dtype``; a quantized
     weight's codes, scales and mins in their stored dtypes)."""
-    if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
+    if mesh is None:  # in a distributed job: a whole copy in each process, on its first device
+        device = SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: device, pure)
     else:
         shardings = param_specs(cfg, mesh, pure)

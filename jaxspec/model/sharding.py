@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -164,16 +165,40 @@ def _key(k) -> object:
     return getattr(k, "key", getattr(k, "idx", k))
 
 
+def tp_mesh(devices) -> Mesh:
+    """A 1-D tensor-parallel mesh (axis ``"tp"``, Auto) over ``devices``, which may belong to
+    several processes (``jax.devices()`` of a distributed job lists all of them)."""
+    devices = list(devices)
+    return jax.make_mesh((len(devices),), (TP,), devices=devices, axis_types=(AxisType.Auto,))
+
+
 def place(model: Model, devices) -> tuple[Model, NamedSharding]:
     """``model`` with its weights on a 1-D tensor-parallel mesh over ``devices`` (kept with the
-    model for the next call), and the replicated sharding of that mesh (for small inputs)."""
+    model for the next call), and the replicated sharding of that mesh (for small inputs).
+
+    Weights already laid out so stay where they are. Across processes, each process places its
+    own shards from its whole copy (a model built, or loaded with ``mesh=None``, in every
+    process); weights split over other processes' devices cannot be moved this way."""
     key = ("placed", tuple(devices))
     got = model._cache.get(key)
     if got is None:
-        mesh = jax.make_mesh((len(devices),), (TP,), devices=devices, axis_types=(AxisType.Auto,))
+        mesh = tp_mesh(devices)
         pure = nnx.to_pure_dict(model.params)
         specs = param_specs(model.config, mesh, pure)
         state = jax.tree.map(lambda x: x, model.params)
-        nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, specs))
+        nnx.replace_by_pure_dict(state, jax.tree.map(_put, pure, specs))
         got = model._cache[key] = (with_params(model, state), NamedSharding(mesh, PartitionSpec()))
     return got
+
+
+def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if x.sharding == sharding or (x.is_fully_addressable and sharding.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if not x.is_fully_addressable:
+        raise DeviceError(
+            f"the weights lie on {len(x.sharding.device_set)} devices, some in other processes, "
+            f"and {sharding.num_devices} others were asked for; across processes load each model "
+            "onto the mesh it runs on (jaxspec.load(path, mesh=...)), or whole in every process "
+            "(mesh=None) and let the engine place it."
+        )
+    return jax.device_put(np.asarray(x), sharding)  # each process puts its own shards

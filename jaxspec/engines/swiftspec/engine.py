@@ -182,6 +182,34 @@ def draft_model(target: Model, draft) -> Model:
     return draft if isinstance(draft, Model) else target
 
 
+def _check_processes(options: Options, on_t: NamedSharding, on_d: NamedSharding) -> str:
+    """The loop to run, checked for a distributed job. There the threaded loop runs in every
+    process (each dispatches its own devices' work; the handoffs are collectives over both
+    meshes, made in the same order everywhere): the device loop would need both models' weights
+    on both meshes, and ``max_extra`` decides by the clock, so its draft mesh must sit in one
+    process (only that one's choices then matter)."""
+    if on_t.is_fully_addressable and on_d.is_fully_addressable:
+        return options.loop
+    if options.loop == "device":
+        raise OptionError(
+            "loop='device' copies both models onto both meshes, which sit in different "
+            "processes here; use loop='threads' (the default across processes)."
+        )
+    if options.max_extra and len({d.process_index for d in on_d.device_set}) > 1:
+        raise OptionError(
+            "max_extra decides by the clock whether another expansion fits, and the draft's mesh "
+            "spans processes whose clocks differ; leave max_extra at 0, or put the draft's mesh "
+            "in one process."
+        )
+    holders = {d.process_index for d in on_t.device_set | on_d.device_set}
+    if len(holders) < jax.process_count():
+        raise DeviceError(
+            f"every process of the job must hold a device of the target's or the draft's mesh; "
+            f"processes {sorted(set(range(jax.process_count())) - holders)} hold none."
+        )
+    return "threads"
+
+
 class SwiftSpec(base.Engine):
     name = "swiftspec"
     Options = Options
@@ -227,7 +255,7 @@ class SwiftSpec(base.Engine):
             lens = np.ones((req.batch,), np.int32)
             pt._cache[key] = workers.with_layouts(wp, pt.flat, pd.flat, ids, lens)
         wp = pt._cache[key]
-        loop = options.loop
+        loop = _check_processes(options, on_t, on_d)
         if loop == "device" and (len(tdev), len(ddev)) != (1, 1):
             raise OptionError(
                 f"loop='device' runs one device per worker; this layout has {len(tdev)} + "

@@ -10,8 +10,10 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import distributed
 from jaxspec.engines import base
 from jaxspec.engines.swiftspec import workers as W
 from jaxspec.errors import WorkerError
@@ -56,6 +58,7 @@ def _shapes(args) -> tuple:
 
 
 def checked(v: W.Verdict, bs: int) -> bool:
+    """Whether every row is done, after checking the verdict's values (on the host)."""
     n = np.asarray(v.n)
     nxt = np.asarray(v.next)
     if n.min() < 0 or n.max() > bs or nxt.min() < 0:
@@ -151,8 +154,9 @@ class ThreadLoop:
         self.errors: list[BaseException] = []
         self.laps = {"target": Laps(), "draft": Laps()}
         self.refills: list = []
+        self.spans = distributed.spans(self.setup.on_t, self.setup.on_d)
         with base.Timer() as h:
-            self.to_target.put(jax.device_put(flat, self.setup.on_t))
+            self.to_target.put((distributed.transfer(flat, self.setup.on_t), None))
         self.stats.handoff_s += h.s
         box = {"ts": ts, "ds": ds}
         workers = [
@@ -168,14 +172,15 @@ class ThreadLoop:
             if isinstance(e, WorkerError):
                 raise e
             raise WorkerError(f"swiftspec failed outside a worker: {type(e).__name__}: {e}") from e
-        self.stats.refill_expansions = int(sum(int(x) for x in self.refills))
         n = max(self.stats.verify_steps, 1)
         self.stats.host_ms_per_iteration = {
             f"{who}.{k}": v
             for who, laps in self.laps.items()
             for k, v in laps.per_lap_ms(n).items()
         }
-        return box["ts"], box["ds"]
+        # summed on the draft's mesh, read with the results (no host read per iteration)
+        refills = sum(self.refills, start=jnp.zeros((), jnp.int32, device=self.setup.on_d))
+        return box["ts"], box["ds"], refills
 
     def _guard(self, fn, *args):
         try:
@@ -192,9 +197,10 @@ class ThreadLoop:
         tflat = self.setup.target.flat
         while True:
             clock.lap()
-            flat_t = self.to_target.get()
-            if flat_t is _STOP:
+            msg = self.to_target.get()
+            if msg is _STOP:
                 return
+            flat_t, seen = msg  # seen: the previous verdict as the draft's mesh received it
             clock.lap("wait_snapshot")
             ts, verdict, vflat = self.calls("target", W.target_verify, self.prog, tflat, ts, flat_t)
             box["ts"] = ts
@@ -202,7 +208,7 @@ class ThreadLoop:
             self.to_draft.put((ts, verdict, vflat))
             clock.lap("verify")
             # the previous verdict (finished: this verify waited for it) says whether to stop
-            if previous is not None and bool(checked(previous, self.prog.shape.bs)):
+            if previous is not None and self._done(previous, seen):
                 self.stats.verify_steps -= 1  # this verify only re-ran finished rows
                 return
             clock.lap("check")
@@ -228,7 +234,9 @@ class ThreadLoop:
                 stats.expansions_in_flight += 1
             clock.lap("extra")
             msg = self.to_draft.get()
-            if msg is _STOP or self.finished.is_set():
+            # a finished target is news only in this process: across processes the last
+            # verdict's handoffs (collectives) are made in every process, or they deadlock
+            if msg is _STOP or (self.finished.is_set() and not self.spans):
                 return
             ts, verdict, vflat = msg
             # counted, not timed: the verdict was not ready when the draft took it, so the
@@ -236,17 +244,26 @@ class ThreadLoop:
             stats.expansions_in_flight += d * (not verdict.n.is_ready())
             clock.lap("wait_verdict")
             with base.Timer() as h:
-                v = jax.device_put(vflat, self.setup.on_d)
+                v = distributed.transfer(vflat, self.setup.on_d)
             ds, snap, flat, grown = self.calls("draft", W.draft_next, prog, dflat, ds, snap, v)
             box["ds"] = ds
             clock.lap("next")
             if self.setup.observe is not None:  # before the target may donate ts
                 self.setup.observe(ts, ds)
             with base.Timer() as h2:
-                self.to_target.put(jax.device_put(flat, self.setup.on_t))
+                self.to_target.put((distributed.transfer(flat, self.setup.on_t), v))
             stats.handoff_s += h.s + h2.s
             clock.lap("put_snapshot")
             self.refills.append(grown)
+
+    def _done(self, verdict: W.Verdict, seen) -> bool:
+        """Whether the previous verdict says every row is done: read where the target's mesh
+        is this process's, else from the copy the draft's mesh received (a process of a
+        distributed job that holds only the draft's devices reads that one)."""
+        if not verdict.n.addressable_shards:
+            flat = distributed.local(seen)
+            verdict = jax.tree.map(np.asarray, W.unpack(flat, self.prog.verdict_layout))
+        return checked(verdict, self.prog.shape.bs)
 
     def _verdict_ready(self) -> bool:
         with self.to_draft.mutex:
@@ -266,16 +283,19 @@ def run(prog: W.Program, max_extra: int, setup, ids, lens, seed, stats, progress
     )  # fmt: skip
     ds = calls(
         "draft", W.draft_init, prog, dflat, jax.device_put(ids, on_d),
-        jax.device_put(lens, on_d), jax.device_put(first, on_d),
+        jax.device_put(lens, on_d), distributed.transfer(first, on_d),
     )  # fmt: skip
     ds = calls("draft", W.draft_grow, (prog, prog.d), dflat, ds)
     stats.draft_expansions += prog.d
     snap, flat = calls("draft", W.draft_snapshot, prog, ds)
     loop = ThreadLoop(prog, setup, stats, calls, max_extra, setup.pace or Pace())
-    ts, ds = loop.run(ts, ds, snap, flat)
-    return jax.device_get(
+    ts, ds, refills = loop.run(ts, ds, snap, flat)
+    final = distributed.fetch(  # every process gets them, wherever each mesh is
         dict(
             out=ts.out.tokens, count=ts.out.count, emitted=ts.out.emitted,
             live_steps=ts.out.live_steps, carried=ds.carried, recomputed=ds.recomputed,
+            refills=refills,
         )
     )  # fmt: skip
+    stats.refill_expansions = int(final.pop("refills"))
+    return final
