@@ -787,6 +787,12 @@ def load(
     return Model(cfg, graphdef, state, tok, name=path.name)
 
 
+def is_source(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a model ``convert`` takes (a .gguf file or an HF model folder) rather
+    than a converted checkpoint."""
+    return (path.is_file() and path.suffix.lower() == ".gguf") or _is_hf_folder(path)
+
+
 def _is_hf_folder(path: pathlib.Path) -> bool:
     """An HF model folder: config.json beside safetensors weights (or an HF config: one with a
     model_type), and no params/ of a converted checkpoint."""
