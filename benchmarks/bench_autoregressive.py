@@ -1,5 +1,6 @@
 """Greedy autoregressive tokens/s of jaxspec vs HF transformers' eager ``generate`` on the same
-real model (SmolLM2-135M-Instruct from its GGUF), prompt and length.
+real model (SmolLM2-135M-Instruct from its GGUF), prompt and length; jaxspec with the kernels of
+the ``JAXSPEC_*`` variables (``kernels``).
 
     .venv/bin/python benchmarks/bench_autoregressive.py [--new 128] [--repeats 3]
 """
@@ -13,36 +14,29 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import metadata, write
+from benchmarks.common import context_ids, default_dtype, default_target, ints, metadata, write
 from jaxspec.api import generate
-from jaxspec.io.convert import load
-from jaxspec.io.default_model import default_checkpoint, default_gguf_path
+from jaxspec.io.default_model import default_gguf_path
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 
 
-def bench_jaxspec(path, new: int, repeats: int, dtype):
-    model = load(path, dtype=dtype)
+def bench_jaxspec(new: int, repeats: int):
+    """(tokens/s, the last result, the model, the first call's compile seconds)."""
+    model = default_target()
     first = generate(model, PROMPT, chat=True, max_new_tokens=new)  # compiles
     times = []
     for _ in range(repeats):
         r = generate(model, PROMPT, chat=True, max_new_tokens=new)
         times.append(r.stats["wall_s"])
     n = r.stats["new_tokens"]
-    r.stats["compile_s"] = first.stats["compile_s"]
-    return n / statistics.median(times), r, model
+    return n / statistics.median(times), r, model, first.stats.compile_s
 
 
 def bench_context(model, ctx: int, new: int, repeats: int) -> float:
     """Greedy tokens/s with a prompt of ``ctx - new`` tokens of real text (HumanEval prompts
     concatenated), so the cache holds about ``ctx`` tokens by the end."""
-    from benchmarks.common import humaneval_prompts
-
-    text = "\n".join(humaneval_prompts(20))
-    ids = model.tokenizer.encode(text)
-    while len(ids) < ctx:
-        ids = ids + ids
-    ids = ids[: ctx - new]
+    ids = context_ids(model, ctx, new)
     generate(model, [ids], max_new_tokens=new)
     times = []
     for _ in range(repeats):
@@ -89,35 +83,32 @@ def main():
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import jax.numpy as jnp
     import torch
 
     gpu = jax.default_backend() == "gpu"
-    path = default_checkpoint()
-    tps, r, model = bench_jaxspec(
-        path, args.new, args.repeats, jnp.bfloat16 if gpu else jnp.float32
-    )
+    tps, r, model, compile_s = bench_jaxspec(args.new, args.repeats)
     from jaxspec.prompts import encode_text
 
     ids = encode_text(model.tokenizer, PROMPT, chat=True)
     hf_tps, hf_tokens = bench_hf(
-        default_gguf_path(), ids, args.new, args.repeats, torch.bfloat16 if gpu else torch.float32
+        default_gguf_path(), ids, args.new, args.repeats, getattr(torch, default_dtype().name)
     )
     ours = r.tokens[0]
     same = int(np.argmin(np.array(ours + [-1]) == np.array(hf_tokens[: len(ours)] + [-2])))
     payload = {
         **metadata(),
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "kernels": model.net().kernels.describe(),
         "prompt": PROMPT,
         "new_tokens": r.stats["new_tokens"],
         "jaxspec_greedy_tok_per_s": round(tps, 1),
         "hf_eager_greedy_tok_per_s": round(hf_tps, 1),
         "speedup": round(tps / hf_tps, 2),
         "first_tokens_identical": same,
-        "jaxspec_compile_s": round(r.stats["compile_s"], 1),
+        "jaxspec_compile_s": round(compile_s, 1),
         "text": r.text[0][:400],
     }
-    for ctx in [int(c) for c in args.contexts.split(",") if c]:
+    for ctx in ints(args.contexts):
         payload[f"jaxspec_greedy_tok_per_s_ctx{ctx}"] = round(
             bench_context(model, ctx, args.new, args.repeats), 1
         )

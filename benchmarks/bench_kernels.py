@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import metadata  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention, plan  # noqa: E402
 from pallas_kernels.reference import attend  # noqa: E402
 
@@ -104,7 +105,7 @@ def time_device(fn, args, *, repeats: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
@@ -116,21 +117,21 @@ def main() -> None:
     ap.add_argument("--trees", type=int, nargs="*", default=None, help="T values of tree cases")
     ap.add_argument("--tune", action="store_true", help="also time block_k/num_warps variants")
     args = ap.parse_args()
+    smoke = args.smoke  # the CPU interpreter on tiny heads; else Llama-3-8B's
+    args.heads = (4, 2, 64) if smoke else (32, 8, 128)
+    args.batches = args.batches or ([1, 2] if smoke else [1, 64])
+    args.seqs = args.seqs or ([256] if smoke else [1024, 8192, 32768])
+    args.trees = args.trees if args.trees is not None else ([8] if smoke else [16, 64])
+    args.repeats = args.repeats or (2 if smoke else 10)
+    args.inner = args.inner or (1 if smoke else 20)
+    args.iters = args.iters or (2 if smoke else 50)
+    return args
 
+
+def implementations(args, s: int, t: int) -> dict:
+    """{name: jitted fn(q, k, v, length, mask)} of one case: ours (and its tuning variants with
+    ``--tune``), XLA's reference, jax's GQA kernel at decode."""
     interpret = args.smoke
-    if args.smoke:
-        h, kh, hd, dtype = 4, 2, 64, jnp.bfloat16
-        batches, seqs, trees = args.batches or [1, 2], args.seqs or [256], args.trees or [8]
-        repeats, inner, iters = args.repeats or 2, args.inner or 1, args.iters or 2
-    else:
-        h, kh, hd, dtype = 32, 8, 128, jnp.bfloat16
-        batches = args.batches or [1, 64]
-        seqs = args.seqs or [1024, 8192, 32768]
-        trees = args.trees if args.trees is not None else [16, 64]
-        repeats, inner, iters = args.repeats or 10, args.inner or 20, args.iters or 50
-    itemsize = jnp.dtype(dtype).itemsize
-
-    xla = jax.jit(attend)
 
     def ours(**kw):
         return jax.jit(
@@ -145,60 +146,68 @@ def main() -> None:
 
         return jax.jit(f)
 
-    cases = [(b, s, 1) for b in batches for s in seqs]
-    cases += [(b, s, t) for t in trees for b in batches for s in seqs[:2]]
-    rows = []
-    for b, s, t in cases:
-        q, k, v, length, mask = make_case(b, s, t, h, kh, hd, dtype)
-        kv_bytes = 2 * b * s * kh * hd * itemsize
-        want = attend(
-            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), length, mask
-        )
-        impls = {"ours": ours(), "xla": xla}
-        if t == 1:
-            impls["jax_gqa_ks16"] = jax_gqa(16)
-            if s // 64 >= 16:
-                impls["jax_gqa_ks64"] = jax_gqa(64)
-        if args.tune and not args.smoke:
-            for bk in (32, 64, 128):
-                for nw in (4, 8):
-                    for ns in (2, 3):
-                        impls[f"ours_bk{bk}_w{nw}_s{ns}"] = ours(
-                            block_k=bk, num_warps=nw, num_stages=ns
-                        )
-            for ks in (4, 16, 32, 64, 128):
-                if s // ks >= 64:
-                    impls[f"ours_ks{ks}"] = ours(k_splits=ks)
-            if t > 1:
-                for bm in (16, 32, 128):
-                    impls[f"ours_bm{bm}_w8"] = ours(block_m=bm, num_warps=8)
-        p = plan(b, s, kh, t * (h // kh), head_dim=hd)
-        for name, fn in impls.items():
-            row = dict(impl=name, B=b, S=s, T=t, H=h, KH=kh, hd=hd, dtype=str(jnp.dtype(dtype)))
-            try:
-                got = fn(q, k, v, length, mask)
-                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-                xs = (q, k, v, length, mask)
-                us = time_device(fn, xs, repeats=repeats, iters=iters)
-                us_host = time_host(fn, xs, repeats=repeats, inner=inner)
-                row.update(us=us, tb_s=kv_bytes / us / 1e6, us_host=us_host, max_abs_err=err)
-                if name == "ours":
-                    row.update({k: p[k] for k in ("k_splits", "block_k", "block_m", "num_stages")})
-            except Exception as e:  # noqa: BLE001 - record and continue
-                row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del q, k, v
+    impls = {"ours": ours(), "xla": jax.jit(attend)}
+    if t == 1:
+        impls["jax_gqa_ks16"] = jax_gqa(16)
+        if s // 64 >= 16:
+            impls["jax_gqa_ks64"] = jax_gqa(64)
+    if args.tune and not args.smoke:
+        for bk in (32, 64, 128):
+            for nw in (4, 8):
+                for ns in (2, 3):
+                    impls[f"ours_bk{bk}_w{nw}_s{ns}"] = ours(
+                        block_k=bk, num_warps=nw, num_stages=ns
+                    )
+        for ks in (4, 16, 32, 64, 128):
+            if s // ks >= 64:
+                impls[f"ours_ks{ks}"] = ours(k_splits=ks)
+        if t > 1:
+            for bm in (16, 32, 128):
+                impls[f"ours_bm{bm}_w8"] = ours(block_m=bm, num_warps=8)
+    return impls
 
+
+def case_rows(args, b: int, s: int, t: int) -> list[dict]:
+    """Every implementation on one case: its error against the float32 reference and its
+    device-loop and host-loop times (or the error it raised)."""
+    h, kh, hd = args.heads
+    dtype = jnp.bfloat16
+    q, k, v, length, mask = make_case(b, s, t, h, kh, hd, dtype)
+    kv_bytes = 2 * b * s * kh * hd * jnp.dtype(dtype).itemsize
+    want = attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), length, mask)
+    p = plan(b, s, kh, t * (h // kh), head_dim=hd)
+    rows = []
+    for name, fn in implementations(args, s, t).items():
+        row = dict(impl=name, B=b, S=s, T=t, H=h, KH=kh, hd=hd, dtype=str(jnp.dtype(dtype)))
+        try:
+            got = fn(q, k, v, length, mask)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+            xs = (q, k, v, length, mask)
+            us = time_device(fn, xs, repeats=args.repeats, iters=args.iters)
+            us_host = time_host(fn, xs, repeats=args.repeats, inner=args.inner)
+            row.update(us=us, tb_s=kv_bytes / us / 1e6, us_host=us_host, max_abs_err=err)
+            if name == "ours":
+                row.update({k: p[k] for k in ("k_splits", "block_k", "block_m", "num_stages")})
+        except Exception as e:  # noqa: BLE001 - record and continue
+            row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    args = parse()
+    cases = [(b, s, 1) for b in args.batches for s in args.seqs]
+    cases += [(b, s, t) for t in args.trees for b in args.batches for s in args.seqs[:2]]
+    rows = [row for b, s, t in cases for row in case_rows(args, b, s, t)]
     meta = dict(
-        date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        jax=jax.__version__,
+        metadata(),
         backend=jax.default_backend(),
         devices=[str(d.device_kind) for d in jax.devices()],
         python=platform.python_version(),
         smoke=args.smoke,
-        timing=f"us: median of {repeats} device loops of {iters} calls; "
-        f"us_host: median of {repeats} x mean of {inner} back-to-back host calls",
+        timing=f"us: median of {args.repeats} device loops of {args.iters} calls; "
+        f"us_host: median of {args.repeats} x mean of {args.inner} back-to-back host calls",
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))

@@ -35,19 +35,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import humaneval_prompts, metadata, write
+from benchmarks.common import context_ids, metadata, write
 from jaxspec.api import generate
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path
 from jaxspec.io.draft_checkpoint import load_draft
 from jaxspec.kernels import KernelConfig
-
-
-def context_ids(model, ctx: int, new: int) -> list[int]:
-    ids = model.tokenizer.encode("\n".join(humaneval_prompts(20)))
-    while len(ids) < ctx:
-        ids = ids + ids
-    return ids[: ctx - new]
 
 
 def timed(model, ids, new, repeats, **kw) -> dict:
@@ -63,7 +56,9 @@ def timed(model, ids, new, repeats, **kw) -> dict:
     return {
         "wall_tok_per_s": round(n / statistics.median(walls), 1),
         "engine_tok_per_s": round(n / statistics.median(engines), 1),
-        "outside_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, engines)), 3),
+        "outside_ms": round(
+            1e3 * statistics.median(w - e for w, e in zip(walls, engines, strict=True)), 3
+        ),
         "acceptance_length": round(last.stats["acceptance_length"], 3),
         "tokens": last.tokens[0],
     }

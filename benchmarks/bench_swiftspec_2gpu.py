@@ -21,17 +21,16 @@ of the run. It shows which of verify, grow, re-root/snapshot and the handoffs se
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import metadata, write
+from benchmarks.common import metadata, random_target, write
 from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
 from jaxspec.api import generate
 from jaxspec.measure import split as profiler
-from jaxspec.model.transformer import new_model
+from jaxspec.model.transformer import with_params
 
 
 def device_put_blocks(d0, d1) -> dict:
@@ -64,19 +63,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next(parts, min(len(a), len(b)))
 
 
-def traced(trace_dir: str, target, prompts, draft, common: dict) -> dict:
+def traced(trace_dir: str, common: dict, draft) -> dict:
     """One more async run under the profiler: per-GPU busy/idle, largest gaps, a timeline."""
     from benchmarks import trace_gaps
 
     with jax.profiler.trace(trace_dir):
-        r = generate(
-            target, prompts, draft=draft, method="swiftspec", target_devices=1, draft_devices=1,
-            **common,
-        )  # fmt: skip
+        r = generate(**common, draft=draft, method="swiftspec", target_devices=1, draft_devices=1)
     devices = trace_gaps.device_events(trace_dir)
     steps = r.stats["verify_steps"]
     return {
-        "iteration_ms": round(r.stats["wall_s"] / steps * 1e3, 3),
+        "iteration_ms": iteration_ms(r),
         "verify_steps": steps,
         "devices": {
             name: trace_gaps.summarize(dev["modules"], dev["kernels"])
@@ -86,6 +82,38 @@ def traced(trace_dir: str, target, prompts, draft, common: dict) -> dict:
         "timeline": trace_gaps.timeline(devices, skip=2 * steps, n=40),
         "kernel_stat_names": trace_gaps.STAT_NAMES,
     }
+
+
+def iteration_ms(r) -> float:
+    """Milliseconds per verification of a run (SwiftSpec's verify steps; the serial engine's
+    loop iterations after its prefill)."""
+    return round(r.stats["wall_s"] / verifications(r) * 1e3, 3)
+
+
+def verifications(r) -> int:
+    st = r.stats
+    return st["verify_steps"] if st.method == "swiftspec" else st["target_steps"] - 1
+
+
+def twice(**kw):
+    """``generate(**kw)`` twice: the first compiles (excluded from wall_s anyway) and warms up."""
+    generate(**kw)
+    return generate(**kw)
+
+
+def models(args):
+    """The target on device 0, the draft on device 1 (random weights, the environment's
+    kernels), the draft's copy on device 0 for the serial tree engine, and the prompt."""
+    tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    d0, d1 = jax.devices()[:2]
+    with jax.default_device(d0):
+        target = random_target(tcfg, seed=0, dtype=dtype)
+    with jax.default_device(d1):
+        draft = random_target(dcfg, seed=1, dtype=dtype)
+    serial_draft = with_params(draft, jax.device_put(draft.params, d0))
+    prompt = np.random.RandomState(0).randint(0, tcfg.vocab_size, args.prompt).tolist()
+    return target, draft, serial_draft, prompt
 
 
 def main():
@@ -98,32 +126,15 @@ def main():
     ap.add_argument("--trace", default=None, metavar="DIR", help="profile one more async run")
     ap.add_argument("--loops-only", type=int, default=None, metavar="D")
     args = ap.parse_args()
-    tcfg, dcfg = (SMOKE, SMOKE_DRAFT) if args.smoke else (LLAMA3_8B, LLAMA32_1B)
-    dtype = jnp.float32 if args.smoke else jnp.bfloat16
-    d0, d1 = jax.devices()[:2]
-    with jax.default_device(d0):
-        target = new_model(tcfg, seed=0, dtype=dtype)
-    with jax.default_device(d1):
-        draft = new_model(dcfg, seed=1, dtype=dtype)
-    prompt = np.random.RandomState(0).randint(0, tcfg.vocab_size, args.prompt).tolist()
-    width, branch, bs = 8, 4, 8
+    target, draft, serial_draft, prompt = models(args)
+    shape = dict(width=8, branch=4, bs=8)
     if args.loops_only:
-        return loops_only(args, target, draft, prompt, dict(width=width, branch=branch, bs=bs))
-    prof = profiler.measure(
-        target, draft, prompt, (1, 1), width=width, branch=branch, bs=bs, reps=args.reps
-    )
-    prof16 = profiler.measure(
-        target, draft, prompt, (1, 1), width=width, branch=branch, bs=16, reps=args.reps
-    )
-    d, handoff = prof.d, prof.handoff_ms
-    res = {
-        "t_verify_bs8_ms": prof.t_verify_ms,
-        "t_verify_bs16_ms": prof16.t_verify_ms,
-        "t_draft_ms": prof.t_draft_ms,
-    }
+        return loops_only(args, target, draft, serial_draft, prompt, shape)
+    prof = profiler.measure(target, draft, prompt, (1, 1), **shape, reps=args.reps)
+    prof16 = profiler.measure(target, draft, prompt, (1, 1), **{**shape, "bs": 16}, reps=args.reps)
     print(prof, prof16, flush=True)
-
-    common = dict(max_new_tokens=args.new, depth=d, width=width, branch=branch, bs=bs)
+    d = prof.d
+    common = dict(target=target, prompts=[prompt], max_new_tokens=args.new, depth=d, **shape)
     # the async engine with its loop on the devices (loop="device": one program over both GPUs,
     # handoffs by ppermute), then the threaded loop (host handoffs) and its variants that put
     # draft work back on the critical path
@@ -131,49 +142,49 @@ def main():
     variants[f"refill_{d}"] = {"refill": d, "loop": "threads"}
     if d > 1:  # fewer expansions per verify: are the grows on the critical path?
         variants[f"depth_{d - 1}"] = {"depth": d - 1, "loop": "device"}
+    one = dict(draft=draft, method="swiftspec", target_devices=1, draft_devices=1)
     runs = {}
     for name, opts in variants.items():
-        for _ in range(2):  # the first run compiles (excluded from wall_s anyway) and warms up
-            r = generate(
-                target,
-                [prompt],
-                draft=draft,
-                method="swiftspec",
-                target_devices=1,
-                draft_devices=1,
-                **{**common, **opts},
-            )
-        runs[name] = r
-        print(name, round(r.stats["wall_s"] / r.stats["verify_steps"] * 1e3, 3), "ms", flush=True)
+        runs[name] = twice(**{**common, **one, **opts})
+        print(name, iteration_ms(runs[name]), "ms", flush=True)
+    rs = twice(**common, draft=serial_draft, method="tree")
+    payload = report(args, target, prof, prof16, variants, runs, rs)
+    if args.trace:
+        payload["trace"] = traced(args.trace, common, draft)
+    write("swiftspec_2gpu_smoke.json" if args.smoke else "swiftspec_2gpu.json", payload, args.out)
+    for k in (
+        "t_verify_ms", "t_verify_bs16_ms", "t_draft_ms", "handoff_ms", "d", "iteration_ms_async",
+        "iteration_ms_async_threads", "iteration_ms_serial", "async_over_serial", "bound_ms",
+        "async_over_bound", "identical_tokens",
+    ):  # fmt: skip
+        print(f"{k:>22} {payload[k]}")
+
+
+def report(args, target, prof, prof16, variants, runs, rs) -> dict:
+    """The JSON: the profile, each loop's iteration against the serial engine and the bound."""
     r = runs["device"]
-    async_ms = r.stats["wall_s"] / r.stats["verify_steps"] * 1e3
-    serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, d0))
-    generate(target, [prompt], draft=serial_draft, method="tree", **common)
-    rs = generate(target, [prompt], draft=serial_draft, method="tree", **common)
-    serial_ms = rs.stats["wall_s"] / (rs.stats["target_steps"] - 1) * 1e3
-    bound = max(res["t_verify_bs8_ms"], d * res["t_draft_ms"] + handoff)
-    payload = {
+    async_ms, serial_ms = iteration_ms(r), iteration_ms(rs)
+    bound = max(prof.t_verify_ms, prof.d * prof.t_draft_ms + prof.handoff_ms)
+    d0, d1 = jax.devices()[:2]
+    return {
         **metadata(),
-        "target_shape": "Llama-3-8B" if not args.smoke else "smoke",
-        "draft_shape": "Llama-3.2-1B" if not args.smoke else "smoke",
-        "dtype": str(jnp.dtype(dtype)),
-        "weights": "random",
+        **shapes(args),
+        "dtype": str(jnp.dtype(target.dtype)),
+        "kernels": target.net().kernels.describe(),
         "prompt_tokens": args.prompt,
         "new_tokens": args.new,
-        "d": d,
-        "bs": bs,
-        "width": width,
-        "branch": branch,
-        "t_verify_ms": round(res["t_verify_bs8_ms"], 3),
-        "t_verify_bs16_ms": round(res["t_verify_bs16_ms"], 3),
-        "t_draft_ms": round(res["t_draft_ms"], 3),
-        "handoff_ms": round(handoff, 3),
+        "d": prof.d,
+        "bs": 8,
+        "width": 8,
+        "branch": 4,
+        "t_verify_ms": round(prof.t_verify_ms, 3),
+        "t_verify_bs16_ms": round(prof16.t_verify_ms, 3),
+        "t_draft_ms": round(prof.t_draft_ms, 3),
+        "handoff_ms": round(prof.handoff_ms, 3),
         "loop": "device",
-        "iteration_ms_async": round(async_ms, 3),
-        "iteration_ms_async_threads": round(
-            runs["threads"].stats["wall_s"] / runs["threads"].stats["verify_steps"] * 1e3, 3
-        ),
-        "iteration_ms_serial": round(serial_ms, 3),
+        "iteration_ms_async": async_ms,
+        "iteration_ms_async_threads": iteration_ms(runs["threads"]),
+        "iteration_ms_serial": serial_ms,
         "async_over_serial": round(async_ms / serial_ms, 3),
         "bound_ms": round(bound, 3),
         "async_over_bound": round(async_ms / bound, 3),
@@ -185,7 +196,7 @@ def main():
         "variants": {
             name: {
                 "options": variants[name],
-                "iteration_ms": round(x.stats["wall_s"] / x.stats["verify_steps"] * 1e3, 3),
+                "iteration_ms": iteration_ms(x),
                 "acceptance_length": round(x.stats["acceptance_length"], 3),
                 "expansions_in_flight": x.stats["expansions_in_flight"],
                 "refill_expansions": x.stats["refill_expansions"],
@@ -198,53 +209,40 @@ def main():
             for name, x in runs.items()
         },
     }
-    if args.trace:
-        payload["trace"] = traced(args.trace, target, [prompt], draft, common)
-    write("swiftspec_2gpu_smoke.json" if args.smoke else "swiftspec_2gpu.json", payload, args.out)
-    for k in (
-        "t_verify_ms",
-        "t_verify_bs16_ms",
-        "t_draft_ms",
-        "handoff_ms",
-        "d",
-        "iteration_ms_async",
-        "iteration_ms_async_threads",
-        "iteration_ms_serial",
-        "async_over_serial",
-        "bound_ms",
-        "async_over_bound",
-        "identical_tokens",
-    ):
-        print(f"{k:>22} {payload[k]}")
 
 
-def loops_only(args, target, draft, prompt, shape: dict) -> None:
+def shapes(args) -> dict:
+    return {
+        "target_shape": "smoke" if args.smoke else "Llama-3-8B",
+        "draft_shape": "smoke" if args.smoke else "Llama-3.2-1B",
+        "weights": "random",
+    }
+
+
+def loops_only(args, target, draft, serial_draft, prompt, shape: dict) -> None:
     """Threaded against on-device loop against the serial tree engine at d = --loops-only."""
-    common = dict(max_new_tokens=args.new, depth=args.loops_only, **shape)
-    one = dict(method="swiftspec", target_devices=1, draft_devices=1)
-    serial_draft = dataclasses.replace(draft, params=jax.device_put(draft.params, jax.devices()[0]))
+    common = dict(target=target, prompts=[prompt], max_new_tokens=args.new, **shape)
+    common["depth"] = args.loops_only
+    one = dict(draft=draft, method="swiftspec", target_devices=1, draft_devices=1)
     runs = {
-        "threads": lambda: generate(target, [prompt], draft=draft, loop="threads", **one, **common),
-        "device": lambda: generate(target, [prompt], draft=draft, loop="device", **one, **common),
-        "serial": lambda: generate(target, [prompt], draft=serial_draft, method="tree", **common),
+        "threads": dict(**common, **one, loop="threads"),
+        "device": dict(**common, **one, loop="device"),
+        "serial": dict(**common, draft=serial_draft, method="tree"),
     }
     out = {}
-    for name, fn in runs.items():
-        fn()
-        r = fn()
-        steps = r.stats["verify_steps"] if name != "serial" else r.stats["target_steps"] - 1
+    for name, kw in runs.items():
+        r = twice(**kw)
         out[name] = {
-            "iteration_ms": round(r.stats["wall_s"] / steps * 1e3, 3),
-            "verifications": steps,
+            "iteration_ms": iteration_ms(r),
+            "verifications": verifications(r),
             "compile_s": round(r.stats.get("compile_s", 0.0), 1),
             "tokens": r.tokens[0],
         }
         print(name, out[name]["iteration_ms"], "ms", flush=True)
     payload = {
         **metadata(),
-        "target_shape": "Llama-3-8B" if not args.smoke else "smoke",
-        "draft_shape": "Llama-3.2-1B" if not args.smoke else "smoke",
-        "weights": "random",
+        **shapes(args),
+        "kernels": target.net().kernels.describe(),
         "d": args.loops_only,
         **shape,
         "iteration_ms": {k: v["iteration_ms"] for k, v in out.items()},

@@ -63,6 +63,9 @@ ORDER = [
     "bench_h200_peers",
     "prefill_probe",
     "small_step_probe",
+    "verify",
+    "host_overhead",
+    "bit_exact",
     "gpu_decode",
     "hf_8b",
     "kernels_h200",
@@ -386,63 +389,36 @@ def sections_body(name: str, d: dict) -> str:
     return "\n\n".join(parts)
 
 
-# bench_small_model.py's figures: <method>_<draft>_ctx<tokens>[_<variant>]_tok_per_s
-SMALL = re.compile(r"^(chain|tree)_([a-z0-9-]+)_ctx(\d+)(?:_([a-z0-9]+))?_tok_per_s$")
-
-
-def small_model_table(d: dict) -> str:
-    """Tokens/s per method, draft and variant (gamma, tree shape) at each context length."""
-    contexts = sorted(int(k.rsplit("ctx", 1)[1]) for k in d if k.startswith("ar_tok_per_s_b1_ctx"))
-    found = {k: SMALL.match(k) for k in d}
-    matches = [m for m in found.values() if m]
-    runs: dict[tuple, dict[int, str]] = {}
-    for key, m in found.items():
-        if m is None:
-            continue
-        method, draft, ctx, variant = m.groups()
-        if variant is None and any(
-            f.group(1, 2, 3) == (method, draft, ctx) and f.group(4) for f in matches
-        ):
-            continue  # the best variant, repeated under its own name
-        ar = d.get(f"ar_tok_per_s_b1_ctx{ctx}")
-        acc = d.get(key.replace("_tok_per_s", "_acceptance_length"))
-        speed = f" ({d[key] / ar:.2f}x)" if ar else ""
-        runs.setdefault((method, draft, variant or "-"), {})[int(ctx)] = (
-            f"{fmt(d[key])}{speed}, {fmt(acc)}"
-        )
-    head = [
-        "method",
-        "draft",
-        "variant",
-        *(f"{c} tokens: tok/s (vs AR), acceptance" for c in contexts),
-    ]
-    out = [["autoregressive", "-", "-", *(fmt(d[f"ar_tok_per_s_b1_ctx{c}"]) for c in contexts)]]
-    out += [[*run, *(runs[run].get(c, "-") for c in contexts)] for run in sorted(runs)]
+def context_rows_table(d: dict) -> str:
+    """bench_small_model.py's figures: ``ctx<tokens>: {rows: {run: figures}, first_token_ms}``, a
+    line per run, a column group per context."""
+    contexts = [k for k, v in d.items() if re.fullmatch(r"ctx\d+", k) and isinstance(v, dict)]
+    runs: list[str] = []
+    for c in contexts:
+        runs += [r for r in d[c]["rows"] if r not in runs]
+    head = ["run", "draft options"]
+    for c in contexts:
+        head += [f"{c[3:]} tokens: tok/s (vs AR)", "acceptance", "outside ms"]
+    out = []
+    for run in runs:
+        line = [run, fmt(d.get("runs", {}).get(run, "-"))]
+        for c in contexts:
+            rows = d[c]["rows"]
+            r, ar = rows.get(run), rows.get("autoregressive", {}).get("wall_tok_per_s")
+            if r is None:
+                line += ["-", "-", "-"]
+                continue
+            speed = f" ({r['wall_tok_per_s'] / ar:.2f}x)" if ar and run != "autoregressive" else ""
+            line += [fmt(r["wall_tok_per_s"]) + speed, r["acceptance_length"], r["outside_ms"]]
+        out.append(line)
     facts = [
-        f"first token after {c} prompt tokens: {fmt(d[f'first_token_ms_ctx{c}'])} ms"
+        f"first token after {c[3:]} prompt tokens: {fmt(d[c]['first_token_ms'])} ms"
         for c in contexts
-        if f"first_token_ms_ctx{c}" in d
+        if "first_token_ms" in d[c]
     ]
-    if "hf_eager_tok_per_s_b1" in d:
-        hf = f"HF transformers eager `generate` on the same GPU: {fmt(d['hf_eager_tok_per_s_b1'])}"
-        hf += " tok/s"
-        if "ar_tok_per_s_b1_short_prompt" in d:
-            hf += f" (jaxspec {fmt(d['ar_tok_per_s_b1_short_prompt'])} on that short prompt)"
-        facts.append(hf)
-    step = d.get("step_1b")
-    if isinstance(step, dict) and "ms_per_step" in step:
-        facts.append(
-            f"Llama-3.2-1B-shape step ({step.get('case')}): {fmt(step['ms_per_step'])} ms, "
-            f"{fmt(step.get('floor_over_ms'))} of its {fmt(step.get('floor_ms'))} ms floor"
-        )
-    for key in ("fast_path_check", "fast_path_check_f32"):
-        checks = d.get(key)
-        if isinstance(checks, dict):
-            same = sum(1 for c in checks.values() if isinstance(c, dict) and c.get("identical"))
-            facts.append(f"`{key}`: {same} of {len(checks)} runs give the reference's tokens")
-    setup = ", ".join(f"{k} {fmt(d[k])}" for k in ("model", "dtype", "new_tokens") if k in d)
-    if isinstance(d.get("tree_shape"), dict):
-        setup += f"; trees: {fmt(d['tree_shape'])}"
+    if "peer_tok_per_s_b1" in d:
+        facts.append(f"PyTorch CUDA-graph peer: {fmt(d['peer_tok_per_s_b1'])} tok/s")
+    setup = ", ".join(f"{k} {fmt(d[k])}" for k in ("model", "new_tokens") if k in d)
     return table(head, out) + "\n\n" + "; ".join([setup, *facts]) + "."
 
 
@@ -478,8 +454,10 @@ def layout_table(name: str, d: dict) -> str:
     try:
         if "jaxspec_greedy_tok_per_s" in d:
             return ar_table(d)
-        if any(k.startswith("ar_tok_per_s_b1_ctx") for k in d):
-            return small_model_table(d)
+        if any(
+            re.fullmatch(r"ctx\d+", k) and isinstance(v, dict) and "rows" in v for k, v in d.items()
+        ):
+            return context_rows_table(d)
         if plots_mod.method_rows(d):
             return method_table(d)
         if isinstance(d.get("results"), list) and d["results"] and "impl" in d["results"][0]:

@@ -15,12 +15,14 @@ import collections
 import glob
 import json
 import os
+import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_decode_gpu import kernel_count, make_loop
+from benchmarks.common import metadata
 from benchmarks.shapes import SMOLLM2_135M
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import KVCache, init_cache
@@ -120,8 +122,10 @@ def main():
     except Exception as e:  # the probe still reports the timing
         row["trace_error"] = repr(e)[:300]
     print(json.dumps(row, indent=1), flush=True)
-    with open(f"{args.out}/probe_{args.label}.json", "w") as f:
-        json.dump(row, f, indent=1)
+    path = pathlib.Path(args.out) / "small_step_probe.json"  # one file, a row per setting
+    payload = json.loads(path.read_text()) if path.is_file() else {**metadata(), "rows": []}
+    payload["rows"].append(row)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
     if os.environ.get("DUMP_HLO"):
         with open(f"{args.out}/hlo_{args.label}.txt", "w") as f:
             f.write(exe.as_text())

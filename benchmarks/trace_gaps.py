@@ -2,7 +2,7 @@
 largest idle gaps with the XLA modules on either side, and a timeline of module spans.
 
 Used by ``bench_swiftspec_2gpu.py --trace`` (issue 4: is the async loop's iteration set by the
-target's verify, the draft's work, or the gaps between them?) and ``probe_small.py``.
+target's verify, the draft's work, or the gaps between them?).
 ``device_events`` reads the trace's GPU planes (a CPU trace has none); the summaries are pure
 functions of event lists, so they are tested with made-up events.
 """

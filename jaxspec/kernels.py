@@ -32,6 +32,7 @@ from pallas_kernels import fused_linear
 FUSED = ("auto", "off", "pallas", "interpret")
 ATTENTION = ("auto", "reference", "pallas", "interpret")
 PADDING = ("auto", "stream", "gemm")
+QUANT = ("auto", "xla", "pallas", "interpret")
 
 # Defaults by backend. GPU figures: one H200, jax 0.11.2 (benchmarks/RESULTS.md has each run).
 DEFAULTS = {
@@ -40,10 +41,14 @@ DEFAULTS = {
         fused_attention="off",
         fused_linear="off",
         fused_commit="off",
+        linear_rows=16,  # every row count the kernels take (the tests run them interpreted)
         gemm_rows=0,  # XLA's CPU GEMMs gain nothing from padded rows
         row_padding="stream",
         prefill_chunk=256,
         loop_chunk=1,  # the stop check is cheap; steps after the last row is done are waste
+        # quantized weights dequantize, then XLA multiplies; on a CPU a quantized checkpoint is
+        # dequantized once at load anyway (jaxspec.io.convert.KEEP_QUANTIZED: measured there)
+        quant_matmul="xla",
     ),
     "gpu": dict(
         # split-K decode attention (pallas_kernels/decode_attention.py) and the flash kernel for
@@ -57,6 +62,10 @@ DEFAULTS = {
         # 0.731, 64 x 64 1.007. Layers of 1B and up keep the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
         linear_tile=(64, 128, 4),
+        # ...for one-row steps only: with 5 rows (a gamma-4 chain verify) the kernels' tensor-core
+        # path made the verify 1.65 ms against a 0.60 ms decode step (verify.json, 2026-12-02),
+        # where the plain path verifies 9 rows in 0.85 ms (small_model_trees_s9)
+        linear_rows=1,
         fused_commit="pallas",  # one kernel for a tree verify's K/V moves in every cache
         # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
         # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
@@ -66,6 +75,12 @@ DEFAULTS = {
         row_padding="stream",
         prefill_chunk=None,  # by batch: prefill_tokens()
         loop_chunk=None,  # by engine: loop_steps()
+        # quantized projections of steps of at most 16 rows dequantize in the kernel
+        # (pallas_kernels/quant_linear.py), never materialising a float copy of the weight; the
+        # tile is the kernel's own default until benchmarks/gpu/quantized.sh has swept it on an
+        # H200 (its "sweep" rows): PENDING that run, not measured yet
+        quant_matmul="pallas",
+        quant_tile=None,
     ),
 }
 # A GPU prefill step takes up to this many tokens (rows x chunk), at most GPU_PREFILL_CHUNK a
@@ -86,11 +101,22 @@ class KernelConfig:
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
     linear_tile:     (BN, BK, warps) of those kernels.
+    linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
+    quant_matmul:    quantized projections of steps of at most 16 rows: "pallas" (dequantized in
+                     the kernel), "interpret", "xla" (dequantize, then XLA's GEMM); more rows
+                     always take "xla".
+    quant_tile:      (BN, BK, K splits, warps, stages) of that kernel (None entries: its own
+                     defaults; splits None: enough programs to fill the GPU).
     gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
+    invariant:       every reduction exact (``model/exact.py``): a row's result independent of
+                     what else its step computes, so speculative output equals autoregressive
+                     output bit for bit, in bf16 too. Several times slower; the fused kernels
+                     and the attention kernels are off. Applies to the target (drafts keep
+                     theirs: they change how many tokens are accepted, never which).
     """
 
     attention: str = "auto"
@@ -98,11 +124,15 @@ class KernelConfig:
     fused_attention: str = "auto"
     fused_linear: str = "auto"
     linear_tile: tuple[int, int, int] | None = None
+    linear_rows: int | None = None
     fused_commit: str = "auto"
+    quant_matmul: str = "auto"
+    quant_tile: tuple[int | None, int | None, int | None, int | None, int | None] | None = None
     gemm_rows: int | None = None
     row_padding: str = "auto"
     prefill_chunk: int | None = None
     loop_chunk: int | None = None
+    invariant: bool = False
     resolved: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
@@ -112,6 +142,7 @@ class KernelConfig:
             ("fused_linear", FUSED),
             ("fused_commit", FUSED),
             ("row_padding", PADDING),
+            ("quant_matmul", QUANT),
         ):
             if getattr(self, name) not in choices:
                 raise OptionError(
@@ -133,6 +164,14 @@ class KernelConfig:
             for what, v in (("num_stages", stages), ("min_split", split)):
                 if v is not None and not _positive(v):
                     raise OptionError(f"attention_tile's {what} must be positive, got {v!r}.")
+        if self.linear_rows is not None and not (
+            _int(self.linear_rows) and 1 <= self.linear_rows <= 16
+        ):
+            raise OptionError(
+                f"KernelConfig.linear_rows must be an integer from 1 to 16: {self.linear_rows!r}."
+            )
+        if self.quant_tile is not None:
+            _check_quant_tile(self.quant_tile)
         if self.gemm_rows is not None and (not _int(self.gemm_rows) or self.gemm_rows < 0):
             raise OptionError(
                 f"KernelConfig.gemm_rows must be an integer >= 0: {self.gemm_rows!r}."
@@ -144,6 +183,8 @@ class KernelConfig:
                 f"KernelConfig.prefill_chunk must be a multiple of 16 (16, 32, ..., 2048), got "
                 f"{self.prefill_chunk!r}."
             )
+        if not isinstance(self.invariant, bool):
+            raise OptionError(f"KernelConfig.invariant must be True or False: {self.invariant!r}.")
         if self.loop_chunk is not None and not (
             _int(self.loop_chunk) and 1 <= self.loop_chunk <= 64
         ):
@@ -174,11 +215,21 @@ class KernelConfig:
                 )
             if sharded:
                 fill[name] = "off"
+        if fill["quant_matmul"] == "pallas" and backend != "gpu":
+            raise OptionError(
+                f"KernelConfig.quant_matmul='pallas' needs a GPU backend (this is {backend!r}); "
+                "use 'interpret', 'xla' or 'auto' here."
+            )
+        if sharded and fill["quant_matmul"] != "xla":  # the kernel has no partitioning rule
+            fill["quant_matmul"] = "xla"
         if fill["attention"] == "pallas" and backend != "gpu":
             raise OptionError(
                 f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
                 "'interpret', 'reference' or 'auto' here."
             )
+        if fill["invariant"]:  # exact reductions in jnp: no kernel has them (model/exact.py)
+            fill.update(fused_attention="off", fused_linear="off", fused_commit="off")
+            fill.update(attention="reference", gemm_rows=0)
         if fill["fused_linear"] != "off" and _linear_unfit(cfg, fill["linear_tile"]):
             fill["fused_linear"] = "off"
         if fill["fused_linear"] != "off" and fill["linear_tile"] is None:
@@ -219,6 +270,20 @@ class KernelConfig:
                 _checked("/".join(names), **{field: kw[field]})
         return cls(**kw)
 
+    def compiler_options(self) -> dict:
+        """XLA options a program with these kernels is compiled with. Invariant numerics forbid
+        excess precision (XLA may otherwise skip the rounding of a bf16 intermediate inside a
+        fusion, so a value's bits would depend on how its program was fused) and, on a GPU, GEMM
+        autotuning (another process could time another kernel faster for the same shape) and
+        nondeterministic ops."""
+        if not self.invariant:
+            return {}
+        return {
+            "xla_allow_excess_precision": False,
+            "xla_gpu_autotune_level": 0,
+            "xla_gpu_deterministic_ops": True,
+        }
+
     def describe(self) -> dict:
         """The settings as a plain dict (benchmarks record it beside their figures)."""
         d = dataclasses.asdict(self)
@@ -232,6 +297,7 @@ ENV = {
     "JAXSPEC_FUSED_ATTENTION": ("fused_attention", FUSED),
     "JAXSPEC_FUSED_LINEAR": ("fused_linear", FUSED),
     "JAXSPEC_FUSED_COMMIT": ("fused_commit", FUSED),
+    "JAXSPEC_QUANT_MATMUL": ("quant_matmul", QUANT),
     "JAXSPEC_ROW_PADDING": ("row_padding", PADDING),
     "JAXSPEC_MIN_GEMM_ROWS": ("gemm_rows", "int"),
     "JAXSPEC_PREFILL_CHUNK": ("prefill_chunk", "int"),
@@ -246,6 +312,11 @@ TILE_ENV = (
         "attention_tile",
         ("JAXSPEC_ATTN_BLOCK_K", "JAXSPEC_ATTN_STAGES", "JAXSPEC_ATTN_MIN_SPLIT"),
         (None, None, None),
+    ),
+    (
+        "quant_tile",
+        tuple(f"JAXSPEC_QUANT_{n}" for n in ("BN", "BK", "SPLITS", "WARPS", "STAGES")),
+        (None,) * 5,
     ),
 )
 
@@ -265,7 +336,7 @@ def _env_value(var: str, field: str, kind, raw: str):
                 "or unset it for the default."
             )
         value = "interpret" if raw == "pallas_interpret" else raw
-    if field not in ("linear_tile", "attention_tile"):
+    if field not in ("linear_tile", "attention_tile", "quant_tile"):
         _checked(var, **{field: value})
     return value
 
@@ -287,6 +358,20 @@ def _positive(x) -> bool:
 
 def _pow2(x) -> bool:
     return _int(x) and x >= 16 and not x & (x - 1)
+
+
+def _check_quant_tile(tile) -> None:
+    if len(tile) != 5:
+        raise OptionError(
+            f"KernelConfig.quant_tile is (BN, BK, splits, warps, stages); got {tile!r}."
+        )
+    bn, bk, *counts = tile
+    for what, v in (("BN", bn), ("BK", bk)):
+        if v is not None and not _pow2(v):
+            raise OptionError(f"quant_tile's {what} must be a power of two >= 16, got {v!r}.")
+    for what, v in zip(("splits", "warps", "stages"), counts, strict=True):
+        if v is not None and not _positive(v):
+            raise OptionError(f"quant_tile's {what} must be positive, got {v!r}.")
 
 
 def _linear_unfit(cfg: ModelConfig, tile) -> bool:

@@ -57,8 +57,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
+from pallas_kernels import quant
+from pallas_kernels.quant import QuantizedWeight
+from pallas_kernels.quant_linear import (
+    check_tiles,
+    compute_dtype,
+    load_cols,
+    operands,
+    regroup,
+    rows_of,
+    tile_dot,
+    weight_tiles,
+)
+
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the model takes the plain path
-DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
 BN = 64  # columns a program (a power of two): one 128-byte line of bf16 a row
 BK = 128  # rows of the weight a program (its K split)
 # Every program of a norm kernel sums the whole row's pending partials (the norm needs the whole
@@ -86,11 +98,11 @@ def unsupported_reason(x, *weights) -> str | None:
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows not in [1, {MAX_ROWS}]"
-    dts = {jnp.dtype(a.dtype) for a in (x, *weights)}
+    dts = {jnp.dtype(x.dtype)} | {compute_dtype(w) for w in weights}
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for all)"
     for w in weights:
-        if w.ndim != 2 or w.shape[0] != k:
+        if len(w.shape) != 2 or w.shape[0] != k:
             return f"weight {w.shape} does not take rows of width {k}"
     return None
 
@@ -116,6 +128,9 @@ def rms(x, g, eps):
 
 
 def _mm(x, w):
+    """``x @ w`` as the plain path computes it; a quantized ``w`` dequantized first."""
+    if quant.is_quantized(w):
+        w = quant.dequantize(w, x.dtype)
     return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -140,7 +155,7 @@ def combine_project_reference(acc, m, ssum, w, *, t: int):
     from pallas_kernels.decode_attention import combine
 
     rows = t * (w.shape[0] // acc.shape[-1] // acc.shape[1])
-    out = combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, w.dtype)
+    out = combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, compute_dtype(w))
     return _mm(out.reshape(-1, w.shape[0]), w)
 
 
@@ -158,112 +173,132 @@ def _round(v, dt):
     return v.astype(dt).astype(jnp.float32)
 
 
-def _load(ref, rows: int, m: int, c0, width: int, limit: int, *lead):
-    """``ref[*lead, :rows, c0:c0+width]`` in float32; rows past ``m`` and columns past ``limit``
-    read as zero."""
-    ok = (jnp.arange(rows) < m)[:, None] & ((c0 + jnp.arange(width)) < limit)[None, :]
-    idx = (*(jnp.int32(i) for i in lead), pl.ds(0, rows), pl.ds(c0, width))
-    return plgpu.load(ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
+def _shift(cols, d: int):
+    """``cols`` (``load_cols``' columns) moved right by ``d``."""
+    return (cols[0] + d, cols[1]) if isinstance(cols, tuple) else cols + d
 
 
-def _summed(ref, parts: int, rows: int, m: int, c0, width: int, limit: int, dt):
-    """The rounded sum of ``parts`` partials' ``[:rows, c0:c0+width]`` (summed in order)."""
-    total = _load(ref, rows, m, c0, width, limit, 0)
+def _summed(ref, parts: int, rows: int, m: int, cols, limit: int, dt):
+    """The rounded sum of ``parts`` partials' ``[:rows, cols]`` (summed in order)."""
+    total = load_cols(ref, rows, m, cols, limit, 0)
     for s in range(1, parts):
-        total = total + _load(ref, rows, m, c0, width, limit, s)
+        total = total + load_cols(ref, rows, m, cols, limit, s)
     return _round(total, dt)
 
 
-def _project(prologue, w_refs, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: int, rows):
-    """Program ``(j, s)``: the rows' K split ``s`` (``prologue()``: ``[rows, bk]`` float32 holding
-    input-dtype values) times the weight tile of column tile ``j``, stored as partial ``s``.
-    Column tiles run over the weights side by side; the branch that owns tile ``j`` runs. The
-    weight tile is loaded before the prologue's loads, so the two round trips to memory overlap
-    (a warp stalls at the first use of a load, not at the load)."""
+def _project(prologue, weights, widths, o_ref, *, k0, kdim: int, m: int, bn: int, bk: int, rows,
+             dt):  # fmt: skip
+    """Program ``(j, s)``: the rows' K split ``s`` times the weight tile of column tile ``j``,
+    stored as partial ``s``. ``prologue(*cols)`` gives the rows' activations (float32 holding
+    values of ``dt``) at the rows of K each weight tile holds (``weight_tiles``: one tile, or a
+    4-bit weight's two). Column tiles run over the weights side by side; the branch that owns
+    tile ``j`` runs. The weight tile is loaded before the prologue's loads, so the two round
+    trips to memory overlap (a warp stalls at the first use of a load, not at the load)."""
     j, s = pl.program_id(0), pl.program_id(1)
     first, out0 = 0, 0
-    for w_ref, n in zip(w_refs, widths, strict=True):
+    for w, n in zip(weights, widths, strict=True):
         tiles = -(-n // bn)
 
         @pl.when((j >= first) & (j < first + tiles))
-        def _(w_ref=w_ref, n=n, first=first, out0=out0):
+        def _(w=w, n=n, first=first, out0=out0):
             c = pl.multiple_of((j - first) * bn, bn)
-            ok = ((k0 + jnp.arange(bk)) < kdim)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
-            w = plgpu.load(w_ref.at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0.0)
-            a = prologue()
-            if rows == 1:  # one row: products on the CUDA cores, summed over the split
-                acc = jnp.sum(a[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
-            else:  # tensor cores; a holds values of w's dtype, so the cast is exact
-                acc = jax.lax.dot_general(
-                    a.astype(w.dtype),
-                    w,
-                    (((1,), (0,)), ((), ())),
-                    precision=jax.lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32,
-                )
+            pairs = weight_tiles(w, k0, bk, c, bn, kdim, n, dt)
+            acts = prologue(*(cols for cols, _ in pairs))
+            acc = tile_dot(acts[0], pairs[0][1], rows)
+            for a, (_, tile) in zip(acts[1:], pairs[1:], strict=True):
+                acc = acc + tile_dot(a, tile, rows)
             live = (jnp.arange(rows) < m)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
             plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(out0 + c, bn)], acc, mask=live)
 
         first, out0 = first + tiles, out0 + n
 
 
-def _norm_kernel(*refs, n_w, parts, widths, m, k, eps, bn, bk, rows, dt):
+def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
     x_ref, *rest = refs
     p_ref = rest.pop(0) if parts else None
     g_ref, *rest = rest
-    w_refs, (o_ref, xo_ref) = rest[:n_w], rest[n_w:]
+    weights, (o_ref, xo_ref) = regroup(rest[:-2], specs), rest[-2:]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
     # one column tile writes the settled residual (program ids are read outside the branches:
     # the interpreter substitutes them at the kernel's top level only)
     writer = pl.program_id(0) == 0
 
-    def settled(c0, width):  # x + round(sum(pending)) over columns [c0, c0 + width)
-        x = _load(x_ref, rows, m, c0, width, k)
-        return x if not parts else _round(x + _summed(p_ref, parts, rows, m, c0, width, k, dt), dt)
+    def g_of(cols):  # the norm weight at the columns ``cols``: [1, width] float32
+        if isinstance(cols, tuple):
+            ok = (cols[0] + jnp.arange(cols[1])) < k
+            g = plgpu.load(g_ref.at[pl.ds(*cols)], mask=ok, other=0.0)
+        else:
+            ok = cols < k
+            g = plgpu.load(g_ref.at[jnp.where(ok, cols, 0)], mask=ok, other=0.0)
+        return g.astype(jnp.float32)[None, :]
 
-    def prologue():
-        full = settled(0, _pow2(k))  # the whole row, for the norm's sum of squares
-        inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
-        x = settled(k0, bk)  # this split's columns (the same arithmetic, so the same values)
-        g = plgpu.load(g_ref.at[pl.ds(k0, bk)], mask=(k0 + jnp.arange(bk)) < k, other=0.0)
+    def settled(cols):  # x + round(sum(pending)) over the columns ``cols``
+        x = load_cols(x_ref, rows, m, cols, k)
+        return x if not parts else _round(x + _summed(p_ref, parts, rows, m, cols, k, dt), dt)
+
+    def store(x):  # the settled residual of this split's columns, by one column tile
         live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
         plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=live & writer)
-        return _round(g.astype(jnp.float32)[None, :] * _round(x * inv, dt), dt)
 
-    _project(prologue, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
+    def prologue(*cols):
+        full = settled((0, _pow2(k)))  # the whole row, for the norm's sum of squares
+        inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
+        out = []
+        for cs in cols:
+            x = settled(cs)  # these columns (the same arithmetic, so the same values)
+            if isinstance(cs, tuple):  # the split's columns in order: (k0, bk)
+                store(x)
+            out.append(_round(g_of(cs) * _round(x * inv, dt), dt))
+        if not any(isinstance(cs, tuple) for cs in cols):  # a 4-bit weight's rows, reordered
+            store(settled((k0, bk)))
+        return out
+
+    _project(prologue, weights, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows, dt=dt)
 
 
-def _plain_kernel(a_ref, *refs, n_w, widths, m, k, bn, bk, rows):
-    w_refs, o_ref = refs[:n_w], refs[n_w]
+def _plain_kernel(a_ref, *refs, specs, widths, m, k, bn, bk, rows, dt):
+    weights, o_ref = regroup(refs[:-1], specs), refs[-1]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
-    prologue = functools.partial(_load, a_ref, rows, m, k0, bk, k)
-    _project(prologue, w_refs, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
+
+    def prologue(*cols):
+        return [load_cols(a_ref, rows, m, cs, k) for cs in cols]
+
+    _project(prologue, weights, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows, dt=dt)
 
 
-def _silu_kernel(p_ref, w_ref, o_ref, *, parts, widths, m, k, bn, bk, rows, dt):
+def _silu_kernel(p_ref, *refs, specs, parts, widths, m, k, bn, bk, rows, dt):
+    weights, o_ref = regroup(refs[:-1], specs), refs[-1]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
 
-    def prologue():
-        gate = _summed(p_ref, parts, rows, m, k0, bk, k, dt)
-        up = _summed(p_ref, parts, rows, m, k + k0, bk, 2 * k, dt)
-        # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision), then rounds
-        return _round(gate * jax.nn.sigmoid(gate) * up, dt)
+    def prologue(*cols):
+        out = []
+        for cs in cols:
+            gate = _summed(p_ref, parts, rows, m, cs, k, dt)
+            up = _summed(p_ref, parts, rows, m, _shift(cs, k), 2 * k, dt)
+            # XLA keeps silu(gate) * up in float32 inside its fusion (excess precision), then
+            # rounds
+            out.append(_round(gate * jax.nn.sigmoid(gate) * up, dt))
+        return out
 
-    _project(prologue, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
+    _project(prologue, weights, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows, dt=dt)
 
 
-def _combine_kernel(acc_ref, m_ref, ssum_ref, w_ref, o_ref, *, n_splits, t, g, hd, widths, m, k,
+def _combine_kernel(acc_ref, m_ref, ssum_ref, *refs, specs, n_splits, t, g, hd, widths, m, k,
                     bn, bk, rows, dt):  # fmt: skip
+    weights, o_ref = regroup(refs[:-1], specs), refs[-1]
     k0 = pl.multiple_of(pl.program_id(1) * bk, bk)
 
-    def prologue():
+    def merged(cols):
         # row r is token (r // t, r % t); column c is head c // hd, lane c % hd; that head's
         # results sit at KV head head // g, row (r % t) * g + head % g of the kernel's layout
+        if isinstance(cols, tuple):
+            cols = cols[0] + jnp.arange(cols[1])
+        width = cols.shape[0]
         r = jnp.arange(rows)[:, None]
-        c = k0 + jnp.arange(bk)[None, :]
+        c = cols[None, :]
         ok = (r < m) & (c < k)
         head = jnp.where(c < k, c // hd, 0)
-        shape = (rows, bk)
+        shape = (rows, width)
         bb = jnp.broadcast_to(jnp.where(r < m, r // t, 0), shape)
         kvh = jnp.broadcast_to(head // g, shape)
         row = jnp.broadcast_to(jnp.where(r < m, r % t, 0) * g + head % g, shape)
@@ -284,13 +319,14 @@ def _combine_kernel(acc_ref, m_ref, ssum_ref, w_ref, o_ref, *, n_splits, t, g, h
         out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
         return _round(out, dt)
 
-    _project(prologue, (w_ref,), widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows)
+    def prologue(*cols):
+        return [merged(cs) for cs in cols]
+
+    _project(prologue, weights, widths, o_ref, k0=k0, kdim=k, m=m, bn=bn, bk=bk, rows=rows, dt=dt)
 
 
-def _grid(widths, k: int, bn: int, bk: int):
-    for name, v in (("bn", bn), ("bk", bk)):
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{name}={v}: the kernels' tiles must be powers of two >= 16")
+def _grid(widths, k: int, bn: int, bk: int, specs=()):
+    check_tiles(bn, bk, specs)
     return (sum(-(-n // bn) for n in widths), n_splits(k, bk))
 
 
@@ -309,8 +345,17 @@ def _partials(m, widths, k, bk):
     return jax.ShapeDtypeStruct((n_splits(k, bk), m, sum(widths)), jnp.float32)
 
 
-def _rows(m: int) -> int:
-    return 1 if m == 1 else DOT_ROWS
+def _weights(ws) -> tuple[tuple, tuple, tuple]:
+    """(the weights' arrays side by side, their static specs, their widths)."""
+    arrays, specs = [], []
+    for w in ws:
+        a, spec = operands(w)
+        arrays += a
+        specs.append(spec)
+    return tuple(arrays), tuple(specs), tuple(w.shape[1] for w in ws)
+
+
+Weights = tuple[Float[Array, "k _"] | QuantizedWeight, ...]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "bn", "bk", "num_warps"))
@@ -318,7 +363,7 @@ def norm_project(
     x: Float[Array, "m k"],
     pending: Float[Array, "p m k"] | None,
     g: Float[Array, " k"],
-    ws: tuple[Float[Array, "k _"], ...],
+    ws: Weights,
     *,
     eps: float,
     interpret: bool = False,
@@ -326,17 +371,18 @@ def norm_project(
     bk: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[Float[Array, "m k"], Float[Array, "s m n"]]:
-    """The kernel version of :func:`norm_project_reference`: ``(x', partials)``."""
+    """The kernel version of :func:`norm_project_reference`: ``(x', partials)``. A weight may
+    be a ``QuantizedWeight`` (dequantized in the kernel)."""
     (m, k), bn, bk = x.shape, bn or BN, bk or BK
-    widths = tuple(w.shape[1] for w in ws)
+    arrays, specs, widths = _weights(ws)
     parts = 0 if pending is None else pending.shape[0]
     kern = functools.partial(
-        _norm_kernel, n_w=len(ws), parts=parts, widths=widths, m=m, k=k, eps=eps, bn=bn, bk=bk,
-        rows=_rows(m), dt=x.dtype,
+        _norm_kernel, specs=specs, parts=parts, widths=widths, m=m, k=k, eps=eps, bn=bn, bk=bk,
+        rows=rows_of(m), dt=x.dtype,
     )  # fmt: skip
-    args = (x, *(() if pending is None else (pending,)), g, *ws)
+    args = (x, *(() if pending is None else (pending,)), g, *arrays)
     shapes = (_partials(m, widths, k, bk), jax.ShapeDtypeStruct(x.shape, x.dtype))
-    grid = _grid(widths, k, bn, bk)
+    grid = _grid(widths, k, bn, bk, specs)
     part, settled = _call(kern, grid, shapes, args, interpret, "norm_project", num_warps)
     return settled, part
 
@@ -344,7 +390,7 @@ def norm_project(
 @functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk", "num_warps"))
 def project(
     a: Float[Array, "m k"],
-    ws: tuple[Float[Array, "k _"], ...],
+    ws: Weights,
     *,
     interpret: bool = False,
     bn: int | None = None,
@@ -353,18 +399,20 @@ def project(
 ) -> Float[Array, "s m n"]:
     """``[a @ w for w in ws]`` as float32 partials ``[S, M, sum N]``."""
     (m, k), bn, bk = a.shape, bn or BN, bk or BK
-    widths = tuple(w.shape[1] for w in ws)
+    arrays, specs, widths = _weights(ws)
     kern = functools.partial(
-        _plain_kernel, n_w=len(ws), widths=widths, m=m, k=k, bn=bn, bk=bk, rows=_rows(m)
-    )
+        _plain_kernel, specs=specs, widths=widths, m=m, k=k, bn=bn, bk=bk, rows=rows_of(m),
+        dt=a.dtype,
+    )  # fmt: skip
     shape = _partials(m, widths, k, bk)
-    return _call(kern, _grid(widths, k, bn, bk), shape, (a, *ws), interpret, "project", num_warps)
+    grid = _grid(widths, k, bn, bk, specs)
+    return _call(kern, grid, shape, (a, *arrays), interpret, "project", num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "bn", "bk", "num_warps"))
 def silu_project(
     gate_up: Float[Array, "p m f2"],
-    w: Float[Array, "f n"],
+    w: Float[Array, "f n"] | QuantizedWeight,
     *,
     interpret: bool = False,
     bn: int | None = None,
@@ -375,14 +423,14 @@ def silu_project(
     partials of ``norm_project(..., (w_gate, w_up))``."""
     parts, m, f2 = gate_up.shape
     k, bn, bk = f2 // 2, bn or BN, bk or BK
-    widths = (w.shape[1],)
+    arrays, specs, widths = _weights((w,))
     kern = functools.partial(
-        _silu_kernel, parts=parts, widths=widths, m=m, k=k, bn=bn, bk=bk, rows=_rows(m),
-        dt=w.dtype,
+        _silu_kernel, specs=specs, parts=parts, widths=widths, m=m, k=k, bn=bn, bk=bk,
+        rows=rows_of(m), dt=compute_dtype(w),
     )  # fmt: skip
     shape = _partials(m, widths, k, bk)
-    grid = _grid(widths, k, bn, bk)
-    return _call(kern, grid, shape, (gate_up, w), interpret, "silu_project", num_warps)
+    grid = _grid(widths, k, bn, bk, specs)
+    return _call(kern, grid, shape, (gate_up, *arrays), interpret, "silu_project", num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk", "num_warps"))
@@ -390,7 +438,7 @@ def combine_project(
     acc: Float[Array, "b kh splits mp hd"],
     m: Float[Array, "b kh splits mp"],
     ssum: Float[Array, "b kh splits mp"],
-    w: Float[Array, "k n"],
+    w: Float[Array, "k n"] | QuantizedWeight,
     *,
     t: int,
     interpret: bool = False,
@@ -405,11 +453,12 @@ def combine_project(
     k, bn, bk = w.shape[0], bn or BN, bk or BK
     g = k // hd // kh
     rows_m = b * t
-    widths = (w.shape[1],)
+    arrays, specs, widths = _weights((w,))
     kern = functools.partial(
-        _combine_kernel, n_splits=n_split, t=t, g=g, hd=hd, widths=widths, m=rows_m, k=k,
-        bn=bn, bk=bk, rows=_rows(rows_m), dt=w.dtype,
+        _combine_kernel, specs=specs, n_splits=n_split, t=t, g=g, hd=hd, widths=widths,
+        m=rows_m, k=k, bn=bn, bk=bk, rows=rows_of(rows_m), dt=compute_dtype(w),
     )  # fmt: skip
     shape = _partials(rows_m, widths, k, bk)
-    grid = _grid(widths, k, bn, bk)
-    return _call(kern, grid, shape, (acc, m, ssum, w), interpret, "combine_project", num_warps)
+    grid = _grid(widths, k, bn, bk, specs)
+    args = (acc, m, ssum, *arrays)
+    return _call(kern, grid, shape, args, interpret, "combine_project", num_warps)

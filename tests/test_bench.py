@@ -245,21 +245,43 @@ def test_compare_finds_the_first_difference():
     assert bench.compare([1], None) == {}
 
 
-def test_metadata_keeps_the_kernel_switches_not_the_paths(monkeypatch):
-    monkeypatch.setenv("JAXSPEC_FUSED_ATTENTION", "pallas")
+def test_results_record_the_resolved_kernels_not_the_environment(ckpt, tmp_path, monkeypatch):
+    """The JSON keeps the kernel configuration the run resolved (every choice concrete), not
+    environment variables (and never paths: JAXSPEC_DEFAULT_GGUF says where a file is)."""
+    from jaxspec.kernels import KernelConfig
+    from jaxspec.provenance import metadata
+
+    monkeypatch.setenv("JAXSPEC_FUSED_ATTENTION", "interpret")
     monkeypatch.setenv("JAXSPEC_DEFAULT_GGUF", "/somewhere/smol.gguf")
-    meta = bench.metadata()
-    assert meta["jaxspec_env"] == {"JAXSPEC_FUSED_ATTENTION": "pallas"}
+    meta = metadata()
+    assert "jaxspec_env" not in meta and "/somewhere" not in json.dumps(meta)
     monkeypatch.delenv("JAXSPEC_FUSED_ATTENTION")
-    assert "jaxspec_env" not in bench.metadata()
+    m = jaxspec.load(ckpt)
+    kw = dict(
+        methods=["autoregressive"], draft=None, prompts=["w3 w4 w5"], source="test",
+        dataset="test", max_new_tokens=2, batch=1, options={}, progress=False,
+        time_split=False,
+    )  # fmt: skip
+    padded = KernelConfig(gemm_rows=8)
+    r = bench.run(m, kernels=padded, **kw)
+    assert r["kernels"] == m.net(padded).kernels.describe()
+    assert r["kernels"]["gemm_rows"] == 8 and r["kernels"]["attention"] == "reference"
+    assert "auto" not in r["kernels"].values() and "resolved" not in r["kernels"]
+    assert bench.run(m, **kw)["kernels"]["gemm_rows"] == 0  # the CPU default
+    # the CLI reads the JAXSPEC_* variables into the config it hands the bench
+    monkeypatch.setenv("JAXSPEC_MIN_GEMM_ROWS", "8")
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", str(ckpt), "--methods", "autoregressive", "--prompts", "1"]
+    assert cli.main([*argv, "--max-new-tokens", "2", "--no-time-split", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["kernels"]["gemm_rows"] == 8
 
 
 def test_recorded_command_is_the_one_typed():
-    assert (
-        bench._command(["/v/bin/jaxspec", "bench", "--prompts", "8"]) == "jaxspec bench --prompts 8"
-    )
-    assert bench._command(["/r/jaxspec/cli.py", "bench"]) == "jaxspec bench"
-    assert bench._command(["benchmarks/x.py", "--n", "2"]).endswith("python benchmarks/x.py --n 2")
+    from jaxspec.provenance import _command
+
+    assert _command(["/v/bin/jaxspec", "bench", "--prompts", "8"]) == "jaxspec bench --prompts 8"
+    assert _command(["/r/jaxspec/cli.py", "bench"]) == "jaxspec bench"
+    assert _command(["benchmarks/x.py", "--n", "2"]).endswith("python benchmarks/x.py --n 2")
 
 
 def jax_version():

@@ -33,7 +33,7 @@ def test_bench_magicdec_tiny(tmp_path):
     ckpt = jaxspec.convert(src, tmp_path / "m", dtype="float32", progress=False)
     out = tmp_path / "md.json"
     argv = ["--model", str(ckpt), "--prefixes", "40,70", "--batches", "2", "--new", "6"]
-    argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1", "--threads", "2"]
+    argv += ["--budget", "24", "--gammas", "1,2", "--reps", "1"]
     argv += ["--tree", "2,2,2,3"]
     assert bench_magicdec.main([*argv, "--out", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -68,7 +68,7 @@ def test_bench_magicdec_tiny(tmp_path):
 def test_bench_magicdec_8b_smoke(tmp_path):
     out = tmp_path / "8b.json"
     argv = ["--smoke", "--batches", "1,4", "--prefixes", "256,1024,4096", "--kv-gib", "0.01"]
-    argv += ["--budget", "64", "--reps", "1", "--threads", "2", "--out", str(out)]
+    argv += ["--budget", "64", "--reps", "1", "--out", str(out)]
     assert bench_magicdec_8b.main(argv) == 0
     r = json.loads(out.read_text())
     sources = {(row["batch"], row["prefix"]): row["source"] for row in r["rows"]}

@@ -11,7 +11,10 @@ import pytest
 from jaxspec import cli
 from jaxspec.api import generate
 from jaxspec.errors import DraftError, JaxspecError, OptionError
+from jaxspec.io import draft_checkpoint as DC
+from jaxspec.io.draft_checkpoint import load_draft
 from jaxspec.train import distill as D
+from jaxspec.train import recipe as R
 from tests import tiny
 
 # one prompt longer than a prefill chunk (256): the data's prefill must see all of it
@@ -67,7 +70,7 @@ def test_draft_loads_small_and_drafts_losslessly(run, target):
     stored = meta["parameters"]
     own = 2 * 32 + 32 + (32 * 32 * 2 + 32 * 16 * 2) + 3 * 32 * 32
     assert stored == own
-    draft = D.load_draft(run.path.parent, target)  # the distill folder works too
+    draft = load_draft(run.path.parent, target)  # the distill folder works too
     assert draft.config.num_layers == 1 and draft.dtype == target.dtype
     pd, pt = jax.tree.leaves(draft.params), jax.tree.leaves(target.params)
     assert any(a is b for a in pd for b in pt)  # shared, not copied
@@ -87,7 +90,7 @@ def test_draft_loads_small_and_drafts_losslessly(run, target):
     ],
 )
 def test_draft_serves_every_engine(run, target, method, opts):
-    draft = D.load_draft(run.path, target)
+    draft = load_draft(run.path, target)
     want = generate(target, PROMPTS, max_new_tokens=16).tokens
     got = generate(target, PROMPTS, draft=draft, method=method, max_new_tokens=16, **opts)
     assert got.tokens == want
@@ -95,17 +98,27 @@ def test_draft_serves_every_engine(run, target, method, opts):
 
 def test_trained_draft_beats_its_init(run, target):
     """The trained draft agrees with the target more often than the copied-layer init."""
-    init = D._draft_model(
+    init = DC._draft_model(
         target,
-        D.draft_config(target.config, 1, 32),
-        D.init_draft(target, D.Recipe(layers=1, intermediate=32)),
+        DC.draft_config(target.config, 1, 32),
+        R.init_draft(target, R.Recipe(layers=1, intermediate=32)),
         "init",
     )
-    trained = D.load_draft(run.path, target)
+    trained = load_draft(run.path, target)
     toks = np.load(run.path.parent / "data" / "tokens.npy")[:64][None]
     best = np.argmax(np.asarray(target.logits(toks)), -1)
     agree = lambda m: float(np.mean(np.argmax(np.asarray(m.logits(toks)), -1) == best))  # noqa: E731
     assert agree(trained) > agree(init)
+
+
+def test_the_draft_trains_through_differentiable_kernels(target):
+    """Training takes gradients through the draft's forward: its kernels resolve to the jnp
+    attention and the plain projections on every backend (the Pallas kernels have no
+    gradient), whatever the models run with otherwise."""
+    for backend in ("cpu", "gpu"):
+        k = R.TRAIN_KERNELS.resolve(target.config, backend=backend)
+        assert k.attention == "reference"
+        assert (k.fused_attention, k.fused_linear, k.fused_commit) == ("off", "off", "off")
 
 
 def test_resume_gives_the_same_weights(run, target, tmp_path):
@@ -120,8 +133,8 @@ def test_resume_gives_the_same_weights(run, target, tmp_path):
     again = D.distill(target, out, prompts=PROMPTS, resume=True, save_every=10, progress=False)
     assert again.steps == 40 and [h["step"] for h in again.history] == list(range(18, 41))
     assert [h["loss"] for h in first.history + again.history] == [h["loss"] for h in run.history]
-    a = jax.tree.leaves(D.load_draft(again.path, target).params)
-    b = jax.tree.leaves(D.load_draft(run.path, target).params)
+    a = jax.tree.leaves(load_draft(again.path, target).params)
+    b = jax.tree.leaves(load_draft(run.path, target).params)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     with pytest.raises(OptionError, match="lr="):
         D.distill(target, out, prompts=PROMPTS, resume=True, lr=1e-2, progress=False)
@@ -132,7 +145,7 @@ def test_resume_gives_the_same_weights(run, target, tmp_path):
 def test_another_target_is_a_draft_error(run, target):
     other = tiny.model(1)
     with pytest.raises(DraftError, match="another target"):
-        D.load_draft(run.path, other)
+        load_draft(run.path, other)
     # the same weights in another dtype are the same target
     import jax.numpy as jnp
 
@@ -144,7 +157,7 @@ def test_another_target_is_a_draft_error(run, target):
         None,
         "bf16",
     )
-    assert D.load_draft(run.path, half).dtype == jnp.bfloat16
+    assert load_draft(run.path, half).dtype == jnp.bfloat16
 
 
 def test_bad_input_is_a_jaxspec_error(target, tmp_path):
@@ -156,7 +169,7 @@ def test_bad_input_is_a_jaxspec_error(target, tmp_path):
         D.distill(target, tmp_path / "b", prompts=PROMPTS, **{**RUN, "batch": 64})
     assert not (tmp_path / "b" / "draft").exists()
     with pytest.raises(JaxspecError, match="no distilled draft"):
-        D.load_draft(tmp_path / "nothing", target)
+        load_draft(tmp_path / "nothing", target)
     with pytest.raises(JaxspecError, match="nothing to resume"):
         D.distill(target, tmp_path / "c", prompts=PROMPTS, resume=True, progress=False)
 
@@ -168,7 +181,7 @@ def test_corrupt_draft_is_a_checkpoint_error(run, target, tmp_path):
         if f.is_file() and f.stat().st_size > 100:
             f.write_bytes(b"\0" * 16)
     with pytest.raises(JaxspecError, match="corrupt"):
-        D.load_draft(bad, target)
+        load_draft(bad, target)
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):
@@ -229,10 +242,10 @@ def test_a_failed_write_leaves_no_draft(run, target, tmp_path, monkeypatch):
 
 def test_the_shipped_draft_is_refused_by_another_target(target):
     """``--method auto`` falls back to autoregressive for a model the shipped draft is not for."""
-    assert D.is_draft_checkpoint(D.SHIPPED)
-    assert D.shipped_draft(target) is None
+    assert DC.is_draft_checkpoint(DC.SHIPPED)
+    assert DC.shipped_draft(target) is None
     with pytest.raises(DraftError, match="another target"):
-        D.load_draft(D.SHIPPED, target)
+        load_draft(DC.SHIPPED, target)
 
 
 @pytest.mark.slow
@@ -244,7 +257,7 @@ def test_the_shipped_draft_drafts_for_smollm2():
     from jaxspec.io.default_model import default_checkpoint
 
     target = jaxspec.load(default_checkpoint(), dtype="float32")
-    draft = D.shipped_draft(target)
+    draft = DC.shipped_draft(target)
     assert draft is not None and draft.config.num_layers == 2
     prompts = humaneval(3)
     want = generate(target, prompts, max_new_tokens=32).tokens

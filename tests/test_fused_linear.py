@@ -14,9 +14,8 @@ import pytest
 from flax import nnx
 
 import jaxspec
-import jaxspec.model.transformer as jm
-from jaxspec import kernels as kernel_modes
 from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
 from pallas_kernels import fused_linear as fl
 from pallas_kernels import rope_attention
 from tests import tiny
@@ -120,51 +119,82 @@ def test_unsupported_shapes():
     assert "does not take" in fl.unsupported_reason(x, jnp.zeros((8, 16)))
     assert fl.unsupported_reason(x, jnp.zeros((16, 24))) is None  # any width: tiles are masked
     assert fl.n_splits(576, 64) == 9 and fl.n_splits(1536, 64) == 24 and fl.n_splits(50, 16) == 4
-    for bad in (dict(bn=48), dict(bk=8)):  # a bad JAXSPEC_FUSED_BN / _BK
-        with pytest.raises(OptionError, match="powers of two"):
+    for bad in (dict(bn=48), dict(bk=8)):  # the kernels' own check of their static tiles
+        with pytest.raises(ValueError, match="powers of two"):
             fl.project(x, (jnp.zeros((16, 16)),), interpret=True, **bad)
+    # the config's check, before anything is traced (and the variables that set it)
+    for bad in ((48, 128, 4), (64, 8, 4), (64, 128, 0)):
+        with pytest.raises(OptionError, match="linear_tile"):
+            KernelConfig(linear_tile=bad)
+    with pytest.raises(OptionError, match="JAXSPEC_FUSED"):
+        KernelConfig.from_env({"JAXSPEC_FUSED_BN": "48"})
+    assert KernelConfig.from_env({"JAXSPEC_FUSED_BK": "64"}).linear_tile == (64, 64, 4)
     # SmolLM2-135M's layer takes them; Llama-3.2-1B's would re-read 512 KiB of partials a program
     assert fl.layer_problem(576, 576, 1536, bk=128) is None
     assert "524288 bytes of down" in fl.layer_problem(2048, 2048, 8192, bk=128)
 
 
-def test_the_model_keeps_big_layers_on_the_plain_path(monkeypatch):
-    monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
-    monkeypatch.setattr(fl, "BK", 128)
-    # o_proj's 4 x 64 = 256 inputs make 2 partials of 64 floats: 512 bytes (down's 96: 1, 256)
-    monkeypatch.setattr(fl, "MAX_PENDING_BYTES", 511)
-    m = tiny.model(0, hidden_size=64, head_dim=64, intermediate_size=96)
-    layer = nnx.merge(m.graphdef, m.params).layers[0]
+SHAPE = dict(hidden_size=64, head_dim=64, intermediate_size=96)  # shapes the kernels take
+
+
+def test_the_model_keeps_big_layers_on_the_plain_path():
+    """The config resolves the split-K kernels off for layers whose norm programs would re-read
+    more than ``MAX_PENDING_BYTES`` of partials (by the tile's BK), and for biased
+    projections; the model then takes the plain path."""
+    import dataclasses
+
+    on = KernelConfig(fused_linear="interpret", linear_tile=(64, 128, 4))
+    # 512-wide rows: down's partials are 512 x 4 bytes each, ceil(intermediate / 128) of them
+    parts = fl.MAX_PENDING_BYTES // (512 * 4)
+    cfg = dataclasses.replace(
+        tiny.CFG, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+        intermediate_size=parts * 128,
+    )  # fmt: skip
+    assert on.resolve(cfg).fused_linear == "interpret"  # exactly MAX_PENDING_BYTES
+    bigger = dataclasses.replace(cfg, intermediate_size=parts * 128 + 1)
+    assert on.resolve(bigger).fused_linear == "off"  # one partial more
+    finer = dataclasses.replace(on, linear_tile=(64, 64, 4))  # BK 64: twice the partials
+    assert finer.resolve(cfg).fused_linear == "off"
+    assert on.resolve(dataclasses.replace(cfg, qkv_bias=True)).fused_linear == "off"
+    llama_1b = dataclasses.replace(
+        cfg, hidden_size=2048, num_heads=32, head_dim=64, intermediate_size=8192
+    )
+    assert on.resolve(llama_1b).fused_linear == "off"
+    # the model follows its resolved config: a biased model of kernel-sized shapes stays plain
     x = jnp.zeros((1, 1, 64))
-    assert layer.fused_mode(x) is None
-    monkeypatch.setattr(fl, "MAX_PENDING_BYTES", 512)
-    assert layer.fused_mode(x) == "interpret"
+    for bias, want in ((False, "interpret"), (True, None)):
+        small = tiny.model(0, **SHAPE, qkv_bias=bias)
+        layer = nnx.merge(small.graphdef, small.params).layers[0]
+        assert layer.fused_mode(x, small.net(on).kernels) == want
 
 
-def test_dispatch(monkeypatch):
-    rows, w = jnp.zeros((1, 16)), jnp.zeros((16, 16))
-    assert jm.fused_mode(rows, w) is None  # off by default: not yet measured on a GPU
-    monkeypatch.setattr(jm, "FUSED_IMPL", "auto")
-    assert jm.fused_mode(rows, w) == ("pallas" if jax.default_backend() == "gpu" else None)
-    monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
-    assert jm.fused_mode(rows, w) == "interpret"
-    assert jm.fused_mode(jnp.zeros((fl.MAX_ROWS + 1, 16)), w) is None
-    with kernel_modes.fused_kernels_off():
-        assert jm.fused_mode(rows, w) is None
-    assert jm.fused_mode(rows, w) == "interpret"
-    monkeypatch.setattr(jm, "FUSED_IMPL", "fast")
+def test_dispatch():
+    m = tiny.model(0, **SHAPE)
+    layer = nnx.merge(m.graphdef, m.params).layers[0]
+    rows = jnp.zeros((1, 64))
+    on_gpu = jax.default_backend() == "gpu"
+    auto = KernelConfig().resolve(m.config)
+    assert layer.fused_mode(rows, auto) == ("pallas" if on_gpu else None)  # auto: GPU only
+    on = KernelConfig(fused_linear="interpret").resolve(m.config)
+    assert on.linear_tile == (64, 128, 4)  # the measured tiling unless one is given
+    assert layer.fused_mode(rows, on) == "interpret"
+    assert layer.fused_mode(jnp.zeros((fl.MAX_ROWS + 1, 64)), on) is None  # prefill-sized
+    sharded = KernelConfig(fused_linear="interpret").resolve(m.config, sharded=True)
+    assert layer.fused_mode(rows, sharded) is None
+    with pytest.raises(OptionError, match="fused_linear must be one of"):
+        KernelConfig(fused_linear="fast")
     with pytest.raises(OptionError, match="JAXSPEC_FUSED_LINEAR must be one of"):
-        jm.fused_mode(rows, w)
-    if jax.default_backend() != "gpu":
-        monkeypatch.setattr(jm, "FUSED_IMPL", "pallas")
+        KernelConfig.from_env({"JAXSPEC_FUSED_LINEAR": "fast"})
+    if not on_gpu:
         with pytest.raises(OptionError, match="needs a GPU"):
-            jm.fused_mode(rows, w)
+            KernelConfig(fused_linear="pallas").resolve(m.config)
 
 
 def _clear():
-    from jaxspec.engines import base as common
+    """Forget compiled programs, so the spies below see the next run's traces."""
+    from jaxspec.engines import base
 
-    common._COMPILED.clear()
+    base._COMPILED.clear()
     jax.clear_caches()
 
 
@@ -175,15 +205,12 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     plain path either way. With the fused attention kernel on, it sums the Q/K/V partials;
     with it off, the model sums them before RoPE."""
     # shapes the kernels take (the default tiny model's head_dim 8 is too small for them)
-    target = tiny.model(seed, hidden_size=64, head_dim=64, intermediate_size=96)
+    target = tiny.model(seed, **SHAPE)
     draft = tiny.perturbed(target, 0.3, seed)
     prompts = tiny.prompts(seed, lengths=(9, 3))
     traced = []
     real = fl.silu_project
     monkeypatch.setattr(fl, "silu_project", lambda *a, **k: traced.append(1) or real(*a, **k))
-    monkeypatch.setattr(fl, "BN", 16)  # several column tiles and K splits in every projection
-    monkeypatch.setattr(fl, "BK", 16)
-    monkeypatch.setattr(jm, "FUSED_ATTENTION", attention)  # 'interpret': Q/K/V partials go in
     ranks, merged = [], []  # ranks of the Q/K/V the fused attention kernel got; o_proj merges
     real_attention, real_merge = rope_attention.rope_attention_splits, fl.combine_project
     monkeypatch.setattr(
@@ -196,17 +223,22 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     )
     runs = {}
     for impl in ("off", "interpret"):
-        monkeypatch.setattr(jm, "FUSED_IMPL", impl)
-        _clear()
-        ar = jaxspec.generate(target, prompts, max_new_tokens=12)
-        chain = jaxspec.generate(
-            target, prompts, max_new_tokens=12, method="chain", draft=draft, gamma=3
+        # 16 x 16 tiles: several column tiles and K splits in every projection; the fused
+        # attention kernel 'interpret': the Q/K/V partials go into it
+        kernels = KernelConfig(
+            fused_linear=impl, linear_tile=(16, 16, 4), fused_attention=attention
         )
+        _clear()
+        ar = jaxspec.generate(target, prompts, max_new_tokens=12, kernels=kernels)
+        chain = jaxspec.generate(
+            target, prompts, max_new_tokens=12, method="chain", draft=draft, gamma=3,
+            kernels=kernels,
+        )  # fmt: skip
         # a tree: the target verifies an appended block of 5 rows (the fused attention kernel);
         # the draft expands its tree in a block window (plain attention, then ``project``)
         tree = seed == 2 and jaxspec.generate(
             target, prompts[:1], max_new_tokens=8, method="tree", draft=draft,
-            depth=2, width=2, branch=2, bs=4,
+            depth=2, width=2, branch=2, bs=4, kernels=kernels,
         ).tokens  # fmt: skip
         runs[impl] = (ar.tokens, chain.tokens, chain.stats["acceptance_length"], tree)
         assert bool(traced) == (impl == "interpret")
@@ -222,23 +254,28 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
         assert runs["interpret"][3][0] == runs["off"][0][0][:8]
 
 
-def test_sharded_compiles_trace_without_the_kernels(monkeypatch):
-    """``compiled()`` traces with the kernels off when any argument is sharded over several
-    devices (tensor parallel: a kernel would see whole weights, so they would be gathered)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+def test_sharded_weights_trace_without_the_kernels(monkeypatch):
+    """A program over weights sharded on several devices (tensor parallel) resolves the split-K
+    kernels off (a kernel would see whole weights, so they would be gathered): the run traces
+    none of them and gives the single-device tokens."""
+    from jaxspec.model import sharding
 
-    from jaxspec.engines import base as common
-
-    monkeypatch.setattr(jm, "FUSED_IMPL", "interpret")
-    seen = []
-
-    @jax.jit
-    def probe(w):
-        seen.append(jm.fused_mode(jnp.zeros((1, 16)), jnp.zeros((16, 16))))
-        return w * 2
-
-    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    sharded = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, PartitionSpec(None, "tp")))
-    common.compiled(probe, jnp.ones((16, 16)))
-    common.compiled(probe, sharded)
-    assert seen == ["interpret", None]
+    m = tiny.model(0, **SHAPE, vocab_size=64)  # every split dimension even
+    placed, _ = sharding.place(m, jax.devices()[:2])
+    kernels = KernelConfig(fused_linear="interpret")
+    assert m.net(kernels).kernels.fused_linear == "interpret"
+    assert placed.net(kernels).kernels.fused_linear == "off"
+    assert m.net(kernels, sharded=True).kernels.fused_linear == "off"
+    traced = []
+    real = fl.silu_project
+    monkeypatch.setattr(fl, "silu_project", lambda *a, **k: traced.append(1) or real(*a, **k))
+    ps = tiny.prompts(0, lengths=(5, 3), vocab=64)
+    _clear()
+    one = jaxspec.generate(m, ps, max_new_tokens=4, kernels=kernels)
+    assert traced, "one device: the kernels are traced"
+    traced.clear()
+    _clear()
+    split = jaxspec.generate(placed, ps, max_new_tokens=4, kernels=kernels)
+    assert not traced
+    assert split.tokens == one.tokens
+    _clear()

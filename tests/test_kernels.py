@@ -21,7 +21,6 @@ from pallas_kernels.decode_attention import (
 )
 from pallas_kernels.dispatch import attention, choose_impl
 from pallas_kernels.reference import attend
-from pallas_kernels.tree_attention import tree_attention
 
 INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
@@ -141,12 +140,12 @@ def test_partials_fully_written():
     assert (np.asarray(ssum[0, :, :-1, : t * g]) == 0).all()  # length 0: only the block split sees
 
 
-def test_tree_entry_point_and_dispatch():
+def test_dispatch():
     poisoned, clean = make_inputs(
         4, b=2, t=8, kh=2, g=2, s=80, n=8, lengths=[70, 3], dtype=jnp.float32
     )
-    check(tree_attention(*poisoned, interpret=INTERPRET), clean, jnp.float32)
     check(attention(*poisoned, impl="pallas_interpret"), clean, jnp.float32)
+    check(attention(*poisoned, impl="interpret"), clean, jnp.float32)
     np.testing.assert_array_equal(attention(*clean, impl="reference"), attend(*clean))
     q, k, v, _, bm = clean
     if jax.default_backend() == "gpu":
@@ -166,6 +165,13 @@ def test_unsupported_shapes_fall_back():
     bm = jnp.ones((1, 1, 1), bool)
     assert "head_dim" in unsupported_reason(q, k, k, bm)
     assert choose_impl(q, k, k, bm) == "reference"
+    # "pallas" / "interpret" mean the kernel where it takes the shapes, the reference elsewhere
+    assert choose_impl(q, k, k, bm, "interpret") == "reference"
+    assert choose_impl(q, k, k, bm, "pallas") == "reference"
+    length = jnp.zeros((1,), jnp.int32)
+    np.testing.assert_array_equal(
+        attention(q, k, k, length, bm, impl="interpret"), attend(q, k, k, length, bm)
+    )
     q = jnp.zeros((1, 65, 4, 64))
     k = jnp.zeros((1, 32, 2, 64))
     assert "T=65" in unsupported_reason(q, k, k, jnp.ones((1, 65, 65), bool))
@@ -232,7 +238,7 @@ def test_kernel_runs_per_device_under_tensor_parallelism():
     check(got, clean, jnp.float32)
 
 
-def test_default_tiling_keeps_kv_blocks_of_8192_elements(monkeypatch):
+def test_default_tiling_keeps_kv_blocks_of_8192_elements():
     # 64-wide heads (SmolLM2) get 128-slot blocks and 3 stages, 128-wide (Llama-3-8B) 64 and 2
     small, wide = plan(1, 1100, 3, 3, head_dim=64), plan(1, 4100, 8, 4, head_dim=128)
     assert (small["block_k"], small["num_stages"]) == (128, 3)
@@ -241,14 +247,40 @@ def test_default_tiling_keeps_kv_blocks_of_8192_elements(monkeypatch):
     for p in (small, wide):  # splits are whole blocks and cover the cache
         assert p["split_len"] % p["block_k"] == 0
     assert small["split_len"] * small["k_splits"] >= 1100
-    # the A/B overrides win over the defaults, explicit arguments over both
-    import pallas_kernels.decode_attention as da
-
-    monkeypatch.setattr(da, "_ENV_BLOCK_K", "32")
-    monkeypatch.setattr(da, "_ENV_STAGES", "1")
-    p = plan(1, 1100, 3, 3, head_dim=64)
+    # explicit arguments (KernelConfig.attention_tile) win over the defaults
+    p = plan(1, 1100, 3, 3, head_dim=64, block_k=32, num_stages=1, min_split=64)
     assert (p["block_k"], p["num_stages"]) == (32, 1)
     assert plan(1, 1100, 3, 3, head_dim=64, block_k=16, num_stages=2)["block_k"] == 16
+    assert plan(1, 1024, 1, 1, head_dim=64, block_k=64, min_split=64)["k_splits"] == 16
+    assert plan(1, 1024, 1, 1, head_dim=64, block_k=64)["k_splits"] == 4  # min_split 256
+
+
+def test_attention_tile_reaches_the_kernel(monkeypatch):
+    """The A/B tiling travels explicitly: JAXSPEC_ATTN_* -> KernelConfig.attention_tile ->
+    ``dispatch.attention(tile=...)`` -> the decode kernel's arguments (result unchanged)."""
+    from jaxspec.kernels import KernelConfig
+    from pallas_kernels import dispatch
+
+    env = {"JAXSPEC_ATTN_BLOCK_K": "32", "JAXSPEC_ATTN_STAGES": "1"}
+    tile = KernelConfig.from_env(env).attention_tile
+    assert tile == (32, 1, None)
+    seen = []
+    real = dispatch.D.decode_attention
+
+    def spy(*args, **kw):
+        seen.append({k: kw[k] for k in ("block_k", "num_stages", "min_split")})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dispatch.D, "decode_attention", spy)
+    poisoned, clean = make_inputs(
+        6, b=2, t=2, kh=2, g=2, s=96, n=2, lengths=[90, 5], dtype=jnp.float32
+    )
+    check(attention(*poisoned, impl="interpret", tile=tile), clean, jnp.float32)
+    check(attention(*poisoned, impl="interpret"), clean, jnp.float32)
+    assert seen == [
+        dict(block_k=32, num_stages=1, min_split=None),
+        dict(block_k=None, num_stages=None, min_split=None),
+    ]
 
 
 def test_kernel_inside_shard_map():

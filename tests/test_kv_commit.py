@@ -14,6 +14,7 @@ import pytest
 import jaxspec
 import jaxspec.model.kv_cache as kvc
 from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
 from pallas_kernels import kv_commit as K
 from tests import tiny
 
@@ -57,26 +58,60 @@ def test_matches_the_gather_and_scatter(b, s, kh, hd, k, n, dtype):
     assert not np.array_equal(rev, np.asarray(want[0], np.float32))
 
 
+def _copy(cache):
+    return jax.tree.map(jnp.array, cache)
+
+
 def test_dispatch(monkeypatch):
-    cache = kvc.init_cache(tiny.CFG, 1, 16)
-    src, count = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    rng = np.random.default_rng(1)
+    cache = kvc.init_cache(tiny.CFG, 2, 16)
+    cache = kvc.KVCache(
+        k=[jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in cache.k],
+        v=[jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in cache.v],
+        length=jnp.asarray([3, 9], jnp.int32),
+    )
+    src = jnp.asarray([[3, 5, 6], [9, 10, 12]], jnp.int32)
+    count = jnp.asarray([3, 2], jnp.int32)
     calls = []
     real = K.move_rows
     monkeypatch.setattr(K, "move_rows", lambda *a, **k: calls.append(k) or real(*a, **k))
-    kvc.commit(cache, src, count)
-    assert not calls  # off by default: not yet measured on a GPU
-    monkeypatch.setattr(kvc, "FUSED_COMMIT", "interpret")
-    kvc.commit(cache, src, count)
+    plain = kvc.commit(_copy(cache), src, count)
+    assert not calls  # mode "off" (the default): a gather and a scatter
+    fused = kvc.commit(_copy(cache), src, count, mode="interpret")
     assert calls == [{"interpret": True}]
-    monkeypatch.setattr(kvc, "FUSED_COMMIT", "fast")
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(plain.length, [6, 11])
+    # the StreamingLLM ring commits through the same move: with 2 sinks and a 5-slot window,
+    # row 1 (9 tokens seen) wraps its 2 tokens to slots 2 + (9 - 2) % 5 = 4 and 5
+    from jaxspec.spec.drafts import Streaming
+
+    ring, seen = Streaming(sinks=2, window=5), jnp.asarray([3, 9], jnp.int32)
+    calls.clear()
+    plain = kvc.commit_ring(_copy(cache), src, count, seen, ring)
+    fused = kvc.commit_ring(_copy(cache), src, count, seen, ring, mode="interpret")
+    assert calls == [{"interpret": True}]
+    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(plain.length, [6, 7])
+    np.testing.assert_array_equal(plain.k[0][1, 4], cache.k[0][1, 9])
+    np.testing.assert_array_equal(plain.k[0][1, 5], cache.k[0][1, 10])
+    # where the mode comes from: the resolved config (off on CPU, the kernel on a GPU)
+    assert KernelConfig().resolve(tiny.CFG, backend="cpu").fused_commit == "off"
+    assert KernelConfig().resolve(tiny.CFG, backend="gpu").fused_commit == "pallas"
+    assert (
+        KernelConfig(fused_commit="interpret").resolve(tiny.CFG, sharded=True).fused_commit == "off"
+    )
+    with pytest.raises(OptionError, match="fused_commit must be one of"):
+        KernelConfig(fused_commit="fast")
     with pytest.raises(OptionError, match="JAXSPEC_FUSED_COMMIT must be one of"):
-        kvc.commit(cache, src, count)
+        KernelConfig.from_env({"JAXSPEC_FUSED_COMMIT": "fast"})
 
 
 def test_tree_decoding_commits_through_the_kernel(monkeypatch):
     """Greedy tokens (float32) of the tree engine with a model draft (the target's and the
     draft's caches both commit) equal the plain commit's, and the autoregressive tokens."""
-    from jaxspec.engines import base as common
+    from jaxspec.engines import base
 
     target = tiny.model(4)
     draft = tiny.perturbed(target, 0.3, 4)
@@ -87,15 +122,14 @@ def test_tree_decoding_commits_through_the_kernel(monkeypatch):
     monkeypatch.setattr(K, "move_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     runs = {}
     for mode in ("off", "interpret"):
-        monkeypatch.setattr(kvc, "FUSED_COMMIT", mode)
-        common._COMPILED.clear()
+        base._COMPILED.clear()  # so the spy sees this run's traces
         jax.clear_caches()
         runs[mode] = jaxspec.generate(
             target, prompts, max_new_tokens=10, method="tree", draft=draft,
-            depth=3, width=3, branch=2, bs=6,
+            depth=3, width=3, branch=2, bs=6, kernels=KernelConfig(fused_commit=mode),
         )  # fmt: skip
         assert bool(calls) == (mode == "interpret")
-    common._COMPILED.clear()
+    base._COMPILED.clear()
     jax.clear_caches()
     assert runs["interpret"].tokens == runs["off"].tokens == ar
     assert runs["interpret"].stats["acceptance_length"] == runs["off"].stats["acceptance_length"]

@@ -1,20 +1,20 @@
-"""The engines check their stop condition every ``chunk`` loop iterations (``common.until_done``:
+"""The engines check their stop condition every ``chunk`` loop iterations (``base.until_done``:
 8 steps for autoregressive decoding and 4 verifications for chain/tree at batch <= 8 on GPU, 1
-elsewhere). Forced chunks on CPU (``JAXSPEC_LOOP_CHUNK``) must change nothing: the tokens, the
-per-row counts at EOS, the step counts and the acceptance lengths equal the one-step loop's,
-greedy and sampled, for every engine and draft kind."""
+elsewhere). Forced chunks on CPU (``KernelConfig(loop_chunk=...)``; the CLI's
+``JAXSPEC_LOOP_CHUNK``) must change nothing: the tokens, the per-row counts at EOS, the step
+counts and the acceptance lengths equal the one-step loop's, greedy and sampled, for every engine
+and draft kind."""
 
 import pytest
 
 import jaxspec
-from jaxspec.engines import base as common
+from jaxspec import KernelConfig
 from jaxspec.errors import OptionError
 from tests import tiny
 
 
-def _run(monkeypatch, chunk, target, prompts, **kw):
-    monkeypatch.setenv(common.LOOP_CHUNK_ENV, str(chunk))
-    r = jaxspec.generate(target, prompts, **kw)
+def _run(chunk, target, prompts, **kw):
+    r = jaxspec.generate(target, prompts, kernels=KernelConfig(loop_chunk=chunk), **kw)
     keep = ("target_steps", "draft_steps", "acceptance_length")
     return r.tokens, {k: r.stats[k] for k in keep if k in r.stats}
 
@@ -27,16 +27,16 @@ def _eos_target(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_chunked_autoregressive_loop_equals_one_step_loop(seed, monkeypatch):
+def test_chunked_autoregressive_loop_equals_one_step_loop(seed):
     _, target, prompts, ref = _eos_target(seed)
     for kw in (dict(max_new_tokens=13), dict(max_new_tokens=13, temperature=0.9, seed=seed)):
-        one = _run(monkeypatch, 1, target, prompts, **kw)
+        one = _run(1, target, prompts, **kw)
         if "temperature" not in kw:
             stop = ref.index(ref[4]) + 1
             assert one[0][0] == ref[:stop], "the EOS row did not stop where it should"
             assert len({len(row) for row in one[0]}) > 1, "rows should stop at different steps"
         for chunk in (3, 8):
-            assert _run(monkeypatch, chunk, target, prompts, **kw) == one, (chunk, kw)
+            assert _run(chunk, target, prompts, **kw) == one, (chunk, kw)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_chunked_autoregressive_loop_equals_one_step_loop(seed, monkeypatch):
         ("tree", "model", 4),
     ],
 )
-def test_chunked_speculative_loops_equal_one_step_loop(method, draft, seed, monkeypatch):
+def test_chunked_speculative_loops_equal_one_step_loop(method, draft, seed):
     base, target, prompts, _ = _eos_target(seed)
     d = tiny.perturbed(base, 0.3, seed) if draft == "model" else draft
     opts = dict(gamma=3) if method == "chain" else dict(depth=3, width=4, branch=2, bs=4)
@@ -57,17 +57,23 @@ def test_chunked_speculative_loops_equal_one_step_loop(method, draft, seed, monk
         opts.update(budget=20, sinks=2)
     for kw in (dict(max_new_tokens=15), dict(max_new_tokens=15, temperature=0.9, seed=seed)):
         kw = dict(kw, method=method, draft=d, **opts)
-        one = _run(monkeypatch, 1, target, prompts, **kw)
+        one = _run(1, target, prompts, **kw)
         if "temperature" not in kw:  # rows stop at different steps; the one-step loop is lossless
             assert len({len(row) for row in one[0]}) > 1, "rows should stop at different steps"
             ar = jaxspec.generate(target, prompts, max_new_tokens=15).tokens
             assert one[0] == ar
         for chunk in (3,):
-            assert _run(monkeypatch, chunk, target, prompts, **kw) == one, (chunk, kw)
+            assert _run(chunk, target, prompts, **kw) == one, (chunk, kw)
+
+
+@pytest.mark.parametrize("bad", [0, 65, -1, True])
+def test_bad_loop_chunk_is_a_clear_error(bad):
+    with pytest.raises(OptionError, match="loop_chunk"):
+        KernelConfig(loop_chunk=bad)
 
 
 @pytest.mark.parametrize("bad", ["0", "x", "65", "-1"])
-def test_bad_loop_chunk_is_a_clear_error(bad, monkeypatch):
-    monkeypatch.setenv(common.LOOP_CHUNK_ENV, bad)
+def test_bad_loop_chunk_variable_is_a_clear_error(bad):
     with pytest.raises(OptionError, match="JAXSPEC_LOOP_CHUNK"):
-        jaxspec.generate(tiny.model(0), tiny.prompts(0)[:1], max_new_tokens=3)
+        KernelConfig.from_env({"JAXSPEC_LOOP_CHUNK": bad})
+    assert KernelConfig.from_env({"JAXSPEC_LOOP_CHUNK": "3"}).loop_chunk == 3

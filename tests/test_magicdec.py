@@ -3,7 +3,6 @@ model against hand-computed numbers, and the engine's greedy output against auto
 decoding for ragged batches, prompts shorter and longer than the budget, and per-row EOS."""
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -13,12 +12,13 @@ import pytest
 
 from jaxspec.api import generate
 from jaxspec.config import ModelConfig
-from jaxspec.engines import magicdec
-from jaxspec.engines.base import pad_prompts, prefill
+from jaxspec.engines import base, chain, magicdec
 from jaxspec.errors import DraftError, OptionError
-from jaxspec.measure import cost_model
+from jaxspec.measure import cost_model, units
 from jaxspec.model.kv_cache import KVCache, init_cache
+from jaxspec.model.prefill import pad_prompts, prefill
 from jaxspec.spec import drafts, snapkv
+from jaxspec.spec.sampling import Sampling
 from tests import tiny
 
 NEW = 20
@@ -124,21 +124,21 @@ def test_snapkv_prompt_cache_on_a_model():
     draft's cache holds exactly the numpy selection over them."""
     target = tiny.model(3)
     ps = tiny.prompts(3, lengths=(40, 5, 30))
-    ids, lens = pad_prompts(ps)
-    g = target.graphdef
+    net, flat = target.net(), target.flat
+    ids, lens = map(jnp.asarray, pad_prompts(ps, net.kernels))
     cache = init_cache(target.config, 3, ids.shape[1])
-    dense = jax.jit(lambda p, c: prefill(g, p, c, ids, lens, vocab=67)[1])(target.params, cache)
+    dense = jax.jit(lambda p, c: prefill(net, p, c, ids, lens)[1])(flat, cache)
     queries = jax.jit(snapkv.window_queries, static_argnums=(0, 5))
-    qs = queries(g, target.params, dense, ids, lens, 6)
-    full = queries(g, target.params, dense, ids, lens, ids.shape[1])
+    qs = queries(net, flat, dense, ids, lens, 6)
+    full = queries(net, flat, dense, ids, lens, ids.shape[1])
     for r, n in enumerate(np.asarray(lens)):
         m = min(6, n)
         for a, c in zip(qs, full, strict=True):
             np.testing.assert_allclose(a[r, :m], c[r, n - m : n], rtol=1e-4, atol=1e-5)
     sp = drafts.SnapKV(sinks=8, window=16, obs=6)
-    d = drafts.ModelDraft(g, target.config, sp, reuse_target_cache=True)
+    d = drafts.ModelDraft(net, sp, reuse_target_cache=True)
     pre = drafts.Prefill(ids, lens, dense, ids.shape[1] + 10, 4)
-    got = jax.jit(lambda p, pre: drafts.prompt_cache(d, p, pre, room=4))(target.params, pre)
+    got = jax.jit(lambda p, pre: drafts.prompt_cache(d, p, pre, room=4))(flat, pre)
     for layer, q in enumerate(qs):
         k = np.asarray(dense.k[layer])
         _, src, ok = numpy_snapkv(np.asarray(q), k, np.asarray(lens), 24, 16, 5, "max")
@@ -214,32 +214,39 @@ def test_analytic_times_hand_numbers():
 
 
 def test_draft_step_costs_the_budget_not_the_context():
-    """The cost model's timed draft step (one self-draft forward, k of them in one loop)
-    compiles to the same program at any target context: the draft's cache is the budget's,
-    nothing of the target's cache rides along, and no cache-sized copy is made."""
-    from jaxspec.engines import chain
-    from jaxspec.spec.sampling import Sampling
-
+    """The cost model's timed draft step (the chain engine's "draft" unit with a self-draft, k
+    of them in one loop, as ``measure.units`` runs it) compiles to the same draft work at any
+    target context: the draft's cache is the budget's, and no cache-sized copy is made."""
     target = tiny.model(0)
-    d, dparams = magicdec.resolve_draft(target, "self-streaming", budget=BUDGET)
-    greedy = Sampling()
-    step = cost_model.looped(cost_model.draft_step, draft=d, sampling=greedy)
+    options = magicdec.Options(gamma=1, budget=BUDGET)
+    d, dw = magicdec.resolve_draft(target, "self-streaming", options, None)
     costs = []
     for prefix in (64, 512):
+        req = base.Request(2, prefix, 2, Sampling(), ())
+        prog, _ = chain.ENGINE.program(
+            target, None, magicdec.chain_options(options, 1), req, None, resolved=(d, dw)
+        )
+        room = prog.gamma + 2
         ids = jax.ShapeDtypeStruct((2, prefix), jnp.int32)
-        init = functools.partial(
-            chain.init_state, graphdef=target.graphdef, cfg=target.config, draft=d, max_new=2,
-            capacity=prefix + 6, room=6, sampling=greedy, eos=(),
-        )  # fmt: skip
-        lens = jnp.full((2,), prefix, jnp.int32)
-        s = jax.eval_shape(init, target.params, dparams, ids, lens, jax.random.key(0))
-        assert s.draft.cache.capacity == BUDGET + 6
-        acc = jax.ShapeDtypeStruct((2,), jnp.int32)
+        lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+        seed = jax.ShapeDtypeStruct((), jnp.uint32)
+        s = jax.eval_shape(
+            lambda *a, prog=prog: chain.init(prog, *a), target.flat, dw.flat, ids, lens, seed
+        )
+        assert s.draft.cache.capacity == BUDGET + room
+        assert s.cache.capacity >= prefix  # the target's cache does grow with the context
+        unit = chain.ENGINE.units(prog)["draft"]
         k = jax.ShapeDtypeStruct((), jnp.int32)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        exe = step.lower((s.draft, acc), k, dparams, key).compile()
+        exe = (
+            jax.jit(units._looped, static_argnums=0, donate_argnums=1)
+            .lower((unit, prog), s, k, target.flat, dw.flat, None)
+            .compile()
+        )
+        text = exe.as_text()
         costs.append(exe.cost_analysis()["bytes accessed"])
-        assert not re.search(rf"\[2,{BUDGET + 6},\d+,\d+\]\S* copy\(", exe.as_text())
+        assert not re.search(rf"\[2,{BUDGET + room},\d+,\d+\]\S* copy\(", text)
+        cap = s.cache.capacity
+        assert not re.search(rf"\[2,{cap},\d+,\d+\]\S* copy\(", text)
     assert costs[0] == costs[1]
 
 
@@ -335,5 +342,9 @@ def test_magicdec_user_errors():
     with pytest.raises(OptionError, match="pool"):
         generate(target, ps, draft="self-snapkv", pool="min", **run)
     with pytest.raises(OptionError, match="does not take"):
-        generate(target, ps, draft="self-snapkv", ngram=3, **run)
+        generate(target, ps, draft="self-snapkv", gama=3, **run)
+    # prompt lookup's n-gram is a chain/tree option; magicdec's drafts have none (gamma given:
+    # a run that wrongly accepted it would not measure the cost model first)
+    with pytest.raises(OptionError, match="does not take"):
+        generate(target, ps, draft="self-snapkv", gamma=2, ngram=3, **run)
     assert jax.devices()  # keeps the forced-devices conftest honest

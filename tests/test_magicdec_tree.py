@@ -95,7 +95,6 @@ def test_tree_cost_model_hand_numbers():
 
 def test_magicdec_auto_shape(monkeypatch):
     monkeypatch.setattr(magicdec, "GAMMAS", (2,))
-    monkeypatch.setattr(magicdec, "_MEASURED", {})
     target, ps = tiny.model(6, num_layers=1), tiny.prompts(6, lengths=(30, 12))
     new = 32  # the measurements' own run length: the final run reuses their compiled loop
     r = generate(

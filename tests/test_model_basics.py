@@ -30,7 +30,8 @@ def test_chunked_prefill_and_decode_equal_full_forward(seed):
     ids = rng.randint(0, CFG.vocab_size, (2, 11))
     full = [np.asarray(model.logits(ids[i : i + 1, : lens[i]]))[0] for i in range(2)]
     cache = init_cache(CFG, 2, 32)
-    fwd = jax.jit(lambda p, t, c, b: apply(model.graphdef, p, t, c, b))
+    net = model.net()
+    fwd = jax.jit(lambda p, t, c, b: apply(net, p, t, c, b))
     # chunk of 4 (ragged: row 1 only has 4 real tokens in the first chunk), then one at a time
     got = [[], []]
     pos = 0
@@ -40,7 +41,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(seed):
             np.pad(ids[:, pos : pos + chunk], ((0, 0), (0, max(0, chunk - ids[:, pos:].shape[1]))))
         )
         block = causal_block(cache.length, cache.length, valid, chunk)
-        logits, cache = fwd(model.params, tok, cache, block)
+        logits, cache = fwd(model.flat, tok, cache, block)
         cache.length = cache.length + valid
         for r in range(2):
             got[r].extend(np.asarray(logits[r, : int(valid[r])]))
@@ -64,30 +65,34 @@ def test_truncate_keeps_the_first_layers_and_the_head():
 
 
 @pytest.mark.parametrize("where", ["gemm", "stream"])
-def test_min_gemm_rows_padding_keeps_results(monkeypatch, where):
-    """The GEMM row padding knobs (JAXSPEC_MIN_GEMM_ROWS, JAXSPEC_ROW_PADDING: each matmul's
-    rows or the whole residual stream) change kernels, not results."""
+def test_min_gemm_rows_padding_keeps_results(where):
+    """The GEMM row padding settings (KernelConfig.gemm_rows, .row_padding: each matmul's rows
+    or the whole residual stream) change kernels, not results: set on the model or passed to
+    one call."""
     import jaxspec.model.transformer as jm
     from jaxspec.api import generate
+    from jaxspec.kernels import KernelConfig
+    from jaxspec.model.layers import stream_rows
     from tests import tiny
 
     m = tiny.model(3)
     ps = tiny.prompts(5)
     plain_logits = np.asarray(m.logits([ps[1]]))
     plain = generate(m, ps, max_new_tokens=12).tokens
-    monkeypatch.setattr(jm, "MIN_GEMM_ROWS", 8)
-    monkeypatch.setattr(jm, "ROW_PADDING", where)
-    assert jm.stream_rows(1) == (8 if where == "stream" else None) and jm.stream_rows(9) is None
-    jax.clear_caches()
-    from jaxspec.engines import base as common
-
-    common._COMPILED.clear()
-    np.testing.assert_allclose(np.asarray(m.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5)
-    assert generate(m, ps, max_new_tokens=12).tokens == plain
-    assert generate(m, ps, method="chain", draft="ngram", max_new_tokens=12).tokens == plain
-    assert generate(m, ps, method="tree", draft="ngram", max_new_tokens=12).tokens == plain
-    common._COMPILED.clear()
-    jax.clear_caches()
+    kernels = KernelConfig(gemm_rows=8, row_padding=where)
+    resolved = kernels.resolve(m.config)
+    assert stream_rows(1, resolved) == (8 if where == "stream" else None)
+    assert stream_rows(9, resolved) is None
+    assert stream_rows(1, m.net().kernels) is None  # the CPU default pads nothing
+    padded = jm.with_params(m, m.params, kernels=kernels)
+    assert padded.net().kernels == resolved and padded.net() != m.net()
+    np.testing.assert_allclose(
+        np.asarray(padded.logits([ps[1]])), plain_logits, rtol=1e-5, atol=1e-5
+    )
+    assert generate(padded, ps, max_new_tokens=12).tokens == plain
+    r = generate(m, ps, method="chain", draft="ngram", max_new_tokens=12, kernels=kernels)
+    assert r.call.prog.net.kernels.gemm_rows == 8 and r.tokens == plain
+    assert generate(padded, ps, method="tree", draft="ngram", max_new_tokens=12).tokens == plain
 
 
 def test_bf16_model_logits_keep_float32_precision():
@@ -116,6 +121,9 @@ def test_bf16_model_logits_keep_float32_precision():
         "pallas_kernels.kv_commit",
         "jaxspec.model.kv_cache",
         "jaxspec.model.transformer",
+        "jaxspec.model.prefill",
+        "jaxspec.kernels",
+        "pallas_kernels.reference",
     ],
 )
 def test_each_module_imports_first(module):

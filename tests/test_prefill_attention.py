@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxspec.model.transformer as jm
-from jaxspec.engines import base as common
+from jaxspec import kernels as K
 from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import init_cache
+from jaxspec.model.prefill import fit_chunk, pad_prompts, prefill
 from pallas_kernels import decode_attention as D
 from pallas_kernels import dispatch
 from pallas_kernels import prefill_attention as P
@@ -113,41 +114,44 @@ def test_dispatch_sends_wide_blocks_to_the_flash_kernel(monkeypatch):
     assert dispatch.choose_impl(q, k, v, bm) == want
 
 
-def test_prefill_chunk_setting(monkeypatch):
-    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "64")
-    ids, _ = common.pad_prompts([[1] * 70, [2] * 3])
-    assert common.prefill_chunk() == 64 and ids.shape[1] == 128
-    ids, _ = common.pad_prompts([[1] * 40])
+def test_prefill_chunk_setting():
+    chunk64 = KernelConfig(prefill_chunk=64).resolve(tiny.CFG)
+    ids, _ = pad_prompts([[1] * 70, [2] * 3], chunk64)
+    assert chunk64.prefill_tokens(2) == 64 and ids.shape[1] == 128
+    ids, _ = pad_prompts([[1] * 40], chunk64)
     assert ids.shape[1] == 48
-    for bad in ("0", "40", "x"):
-        monkeypatch.setenv(common.PREFILL_CHUNK_ENV, bad)
+    for bad in (0, 40):
         with pytest.raises(OptionError, match="multiple of 16"):
-            common.prefill_chunk()
-    monkeypatch.delenv(common.PREFILL_CHUNK_ENV)
-    assert common.prefill_chunk() == common.PREFILL_CHUNK
+            KernelConfig(prefill_chunk=bad)
+    # JAXSPEC_PREFILL_CHUNK (the CLI's): a bad value names the variable
+    assert KernelConfig.from_env({"JAXSPEC_PREFILL_CHUNK": "64"}).prefill_chunk == 64
+    for bad, why in (("0", "multiple of 16"), ("40", "multiple of 16"), ("x", "integer")):
+        with pytest.raises(OptionError, match=why) as e:
+            KernelConfig.from_env({"JAXSPEC_PREFILL_CHUNK": bad})
+        assert "JAXSPEC" in str(e.value)
+    assert KernelConfig().resolve(tiny.CFG, backend="cpu").prefill_tokens(1) == 256
     target = tiny.model(1)
     # a width the chunk does not divide: the step is cut to one that does (48 = 3 x 16), and
     # every prompt token is still fed (the same logits as one step over the whole prompt)
-    assert common.fit_chunk(48, 32) == 16 and common.fit_chunk(48, 64) == 48
-    assert common.fit_chunk(40, 32) == 20 and common.fit_chunk(2048, 2048) == 2048
+    assert fit_chunk(48, 32) == 16 and fit_chunk(48, 64) == 48
+    assert fit_chunk(40, 32) == 20 and fit_chunk(2048, 2048) == 2048
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 67, (1, 48)), jnp.int32)
 
     def first(chunk):
         c = init_cache(target.config, 1, 48)
-        return common.prefill(
-            target.graphdef, target.params, c, ids, jnp.asarray([40]), vocab=67, chunk=chunk
-        )[0]
+        net = target.net(KernelConfig(prefill_chunk=chunk))
+        return prefill(net, target.flat, c, ids, jnp.asarray([40], jnp.int32))[0]
 
     np.testing.assert_allclose(first(32), first(48), atol=1e-5)
 
 
-def test_gpu_chunk_keeps_tokens_per_step_bounded(monkeypatch):
+def test_gpu_chunk_keeps_tokens_per_step_bounded():
     """On a GPU: up to 2048 tokens a row, at most GPU_PREFILL_TOKENS a step, 256 at least."""
-    monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
-    got = [common.prefill_chunk(b) for b in (1, 8, 16, 32, 64, 128)]
+    gpu = KernelConfig().resolve(tiny.CFG, backend="gpu")
+    got = [gpu.prefill_tokens(b) for b in (1, 8, 16, 32, 64, 128)]
     assert got == [2048, 2048, 1024, 512, 256, 256]
-    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "512")
-    assert common.prefill_chunk(1) == 512
+    assert max(b * gpu.prefill_tokens(b) for b in (16, 32, 64)) == K.GPU_PREFILL_TOKENS
+    assert KernelConfig(prefill_chunk=512).resolve(tiny.CFG, backend="gpu").prefill_tokens(1) == 512
 
 
 def test_model_prefill_through_the_kernel(monkeypatch):
@@ -155,34 +159,34 @@ def test_model_prefill_through_the_kernel(monkeypatch):
     logits after each prompt match the reference path's, and generate's greedy tokens are the
     same."""
     import jaxspec
+    from jaxspec.engines import base
 
     changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
     target = tiny.model(2, **changes)
     ps = tiny.prompts(2, lengths=(150, 97, 33), vocab=64)
-    monkeypatch.setenv(common.PREFILL_CHUNK_ENV, "80")
-    ids, lens = common.pad_prompts(ps)
+    ids, lens = pad_prompts(ps, KernelConfig(prefill_chunk=80))
     assert ids.shape[1] == 160
     calls = []
     fn = P.prefill_attention
     monkeypatch.setattr(P, "prefill_attention", lambda *a, **k: calls.append(1) or fn(*a, **k))
 
     def run(impl):
-        monkeypatch.setattr(jm, "ATTENTION_IMPL", impl)
-        common._COMPILED.clear()
+        kernels = KernelConfig(prefill_chunk=80, attention=impl)
+        base._COMPILED.clear()  # so the spy sees this run's traces
         jax.clear_caches()
         cache = init_cache(target.config, 3, 176)
-        first = jax.jit(lambda p, c: common.prefill(target.graphdef, p, c, ids, lens, vocab=64)[0])(
-            target.params, cache
-        )
-        return np.asarray(first), jaxspec.generate(target, ps, max_new_tokens=6).tokens
+        net = target.net(kernels)
+        first = jax.jit(lambda *a: prefill(net, *a)[0])(target.flat, cache, ids, lens)
+        tokens = jaxspec.generate(target, ps, max_new_tokens=6, kernels=kernels).tokens
+        return np.asarray(first), tokens
 
     ref_logits, ref_tokens = run("reference")
     assert not calls
-    logits, tokens = run("pallas_interpret")
+    logits, tokens = run("interpret")
     assert calls, "the flash kernel was not traced"
     np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-5)
     assert tokens == ref_tokens
-    common._COMPILED.clear()
+    base._COMPILED.clear()
     jax.clear_caches()
 
 

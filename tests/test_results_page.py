@@ -186,22 +186,27 @@ UNKNOWN = {
     "nested": {"a": 1, "b": [1, 2]},
     "rows": [{"case": f"c{i}", "ms": i / 8, "detail": {"x": i}} for i in range(25)],
 }
-SMALL = {  # bench_small_model.py's flat figures
+SMALL = {  # bench_small_model.py's figures: a section per context, a row per run
     "model": "SmolLM2",
-    "tree_shape": {"depth": 4, "width": 8},
-    "ar_tok_per_s_b1_ctx1024": 1000.0,
-    "first_token_ms_ctx1024": 4.5,
-    "chain_ngram_ctx1024_gamma4_tok_per_s": 2000.0,
-    "chain_ngram_ctx1024_gamma4_acceptance_length": 2.1,
-    "chain_ngram_ctx1024_tok_per_s": 2000.0,  # the best gamma again: not a row of its own
-    "tree_ngram_ctx1024_tok_per_s": 1500.0,
-    "tree_ngram_ctx1024_acceptance_length": 2.0,
-    "ar_tok_per_s_b1_ctx4096": 800.0,
-    "chain_ngram_ctx4096_gamma4_tok_per_s": 2400.0,
-    "chain_ngram_ctx4096_gamma4_acceptance_length": 3.5,
-    "hf_eager_tok_per_s_b1": 40.0,
-    "step_1b": {"case": "1b:1:4096:1:1", "ms_per_step": 1.2, "floor_ms": 0.6, "floor_over_ms": 0.5},
-    "fast_path_check": {"a": {"identical": True}, "b": {"identical": False}},
+    "new_tokens": 128,
+    "runs": {"chain_ngram": {"method": "chain", "gamma": 8}},
+    "ctx1024": {
+        "rows": {
+            "autoregressive": {
+                "wall_tok_per_s": 1000.0,
+                "acceptance_length": 1.0,
+                "outside_ms": 0.8,
+            },
+            "chain_ngram": {"wall_tok_per_s": 2000.0, "acceptance_length": 2.1, "outside_ms": 1.1},
+        },
+        "first_token_ms": 4.5,
+    },
+    "ctx4096": {
+        "rows": {
+            "autoregressive": {"wall_tok_per_s": 800.0, "acceptance_length": 1.0, "outside_ms": 0.9}
+        }
+    },
+    "peer_tok_per_s_b1": 1200.0,
 }
 
 
@@ -309,20 +314,16 @@ def test_front_matter_chooses_the_table(folders):
 def test_small_model_figures_get_their_table(folders):
     (folders / "results" / "small_model.json").write_text(json.dumps(SMALL))
     text = make_results.render()
-    head = "| method | draft | variant | 1024 tokens: tok/s (vs AR), acceptance |"
-    assert head + " 4096 tokens: tok/s (vs AR), acceptance |" in text
+    head = "| run | draft options | 1024 tokens: tok/s (vs AR) | acceptance | outside ms |"
+    assert head + " 4096 tokens: tok/s (vs AR) | acceptance | outside ms |" in text
     assert_on_page(
         text,
-        "| autoregressive | - | - | 1000.0 | 800 |",
-        "| chain | ngram | gamma4 | 2000.0 (2.00x), 2.1 | 2400.0 (3.00x), 3.5 |",
-        "| tree | ngram | - | 1500.0 (1.50x), 2 | - |",
+        "| autoregressive | - | 1000.0 | 1 | 0.8 | 800 | 1 | 0.9 |",
+        "| chain_ngram | method chain, gamma 8 | 2000.0 (2.00x) | 2.1 | 1.1 | - | - | - |",
         "first token after 1024 prompt tokens: 4.5 ms",
-        "HF transformers eager `generate` on the same GPU: 40 tok/s;",
-        "1.2 ms, 0.5 of its 0.6 ms floor",
-        "trees: depth 4, width 8",
-        "`fast_path_check`: 1 of 2 runs give the reference's tokens",
+        "PyTorch CUDA-graph peer: 1200.0 tok/s",
+        "model SmolLM2, new_tokens 128",
     )
-    assert "| chain | ngram | - |" not in text  # the best gamma is not a row of its own
 
 
 def test_notes_without_a_json_and_stray_files_are_errors(folders, capsys):

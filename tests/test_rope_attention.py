@@ -132,17 +132,27 @@ def test_query_rows_are_gathered_per_token_and_head():
     check(got, R.reference(*clean, num_heads=12), poisoned, jnp.float32)
 
 
+FUSED = dict(fused_attention="interpret", gemm_rows=8)  # the GPU's padded residual stream
+SHAPE = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
+
+
+def retrace():
+    """Forget compiled programs, so a spy on the kernel sees the next run's trace."""
+    from jaxspec.engines import base
+
+    base._COMPILED.clear()
+    jax.clear_caches()
+
+
 def test_model_tokens_with_the_fused_kernel(monkeypatch):
-    """JAXSPEC_FUSED_ATTENTION=interpret, with the residual stream padded as on a GPU:
+    """KernelConfig(fused_attention="interpret"), with the residual stream padded as on a GPU:
     autoregressive, chain, tree and MagicDec decoding (decode steps, chain and tree verifies and
     the sparse drafts' steps take the kernel) give the plain path's greedy tokens, float32."""
-    import jaxspec.model.transformer as model_module
     from jaxspec.api import generate
-    from jaxspec.engines import base as common
+    from jaxspec.kernels import KernelConfig
     from tests import tiny
 
-    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
-    target = tiny.model(3, **changes)
+    target = tiny.model(3, **SHAPE)
     ps = tiny.prompts(3, lengths=(19, 4, 11), vocab=64)
     runs = [
         dict(),
@@ -162,18 +172,10 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
         calls.append(args[0].shape[1])  # T of the step
         return real(*args, **kwargs)
 
-    def forget():  # programs traced with the other setting
-        common._COMPILED.clear()
-        jax.clear_caches()
-
-    monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
-    monkeypatch.setattr(model_module, "MIN_GEMM_ROWS", 8)
     monkeypatch.setattr(R, "rope_attention", counted)
-    forget()
-    try:
-        fused = [generate(target, ps, max_new_tokens=12, **kw).tokens for kw in runs]
-    finally:
-        forget()
+    retrace()
+    kernels = KernelConfig(**FUSED)
+    fused = [generate(target, ps, max_new_tokens=12, kernels=kernels, **kw).tokens for kw in runs]
     assert fused == plain
     assert 1 in calls and max(calls) > 1  # decode steps and verifies took it
 
@@ -185,34 +187,33 @@ def test_model_logits_with_the_fused_kernel(monkeypatch, padding):
     With the residual stream padded to 8 rows too (the GPU's setting), where the kernel takes
     the real rows of the padded projections."""
     import jaxspec.model.transformer as model_module
+    from jaxspec.kernels import KernelConfig
     from jaxspec.model.kv_cache import init_cache
 
-    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
-    m = tiny_model(4, changes)
+    m = tiny_model(4, SHAPE)
     rng = np.random.default_rng(4)
     ids = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
     steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
 
-    def run():
+    def run(kernels):
+        net = m.net(kernels)
         cache, out = init_cache(m.config, 2, 32, jnp.float32), []
         fwd = jax.jit(model_module.apply, static_argnums=0)
         for toks, at, n in steps:
             length = jnp.full((2,), at, jnp.int32)
             cache.length = length
             block = causal_block(length, length, jnp.asarray([n, max(n - 1, 1)]), toks.shape[1])
-            logits, cache = fwd(m.graphdef, m.params, toks, cache, block)
+            logits, cache = fwd(net, m.flat, toks, cache, block)
             out.append(np.asarray(logits))
         return out, [np.asarray(x) for x in cache.k + cache.v]
 
-    plain_logits, plain_cache = run()
-    monkeypatch.setattr(model_module, "FUSED_ATTENTION", "interpret")
-    monkeypatch.setattr(model_module, "MIN_GEMM_ROWS", 8)
-    monkeypatch.setattr(model_module, "ROW_PADDING", padding)
-    jax.clear_caches()
-    try:
-        fused_logits, fused_cache = run()
-    finally:
-        jax.clear_caches()
+    plain_logits, plain_cache = run(KernelConfig(fused_attention="off"))
+    calls = []
+    real = R.rope_attention
+    monkeypatch.setattr(R, "rope_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    retrace()
+    fused_logits, fused_cache = run(KernelConfig(**FUSED, row_padding=padding))
+    assert calls, "the fused kernel took the decode and verify steps"
     for a, b in zip(fused_logits + fused_cache, plain_logits + plain_cache, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -223,19 +224,17 @@ def tiny_model(seed, changes):
     return tiny.model(seed, **changes)
 
 
-def test_dispatch_modes(monkeypatch):
+def test_dispatch_modes():
     """auto: the kernel on GPU only; never in programs traced for sharded weights, never for a
     block that is not appended; a bad setting is an error that names the choices."""
     import dataclasses
 
     from flax import nnx
 
-    import jaxspec.model.transformer as jm
-    from jaxspec import kernels as kernel_modes
     from jaxspec.errors import OptionError
+    from jaxspec.kernels import KernelConfig
 
-    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
-    m = tiny_model(0, changes)
+    m = tiny_model(0, SHAPE)
     att = nnx.merge(m.graphdef, m.params).layers[0].self_attn
     x = jnp.zeros((1, 1, 96), jnp.float32)
     cache = jnp.zeros((1, 16, 2, 64), jnp.float32)
@@ -243,47 +242,53 @@ def test_dispatch_modes(monkeypatch):
         jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), 1
     )
     on_gpu = jax.default_backend() == "gpu"
-    assert att.fused_attention(x.dtype, cache, block) == ("pallas" if on_gpu else None)  # auto
-    monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
-    assert att.fused_attention(x.dtype, cache, block) == "interpret"
-    with kernel_modes.fused_kernels_off():
-        assert att.fused_attention(x.dtype, cache, block) is None
-    assert att.fused_attention(x.dtype, cache, dataclasses.replace(block, appended=False)) is None
-    assert att.fused_attention(jnp.bfloat16, cache, block) is None  # dtype mismatch
-    monkeypatch.setattr(jm, "FUSED_ATTENTION", "fast")
-    with pytest.raises(OptionError, match="off, auto, pallas, interpret"):
-        att.fused_attention(x.dtype, cache, block)
+    auto = KernelConfig().resolve(m.config)
+    assert att.fused_attention(x.dtype, cache, block, auto) == ("pallas" if on_gpu else None)
+    assert m.net().kernels == auto  # a model without its own config runs the defaults
+    on = KernelConfig(fused_attention="interpret").resolve(m.config)
+    assert att.fused_attention(x.dtype, cache, block, on) == "interpret"
+    sharded = KernelConfig(fused_attention="interpret").resolve(m.config, sharded=True)
+    assert sharded.fused_attention == "off"
+    assert att.fused_attention(x.dtype, cache, block, sharded) is None
+    unappended = dataclasses.replace(block, appended=False)
+    assert att.fused_attention(x.dtype, cache, unappended, on) is None
+    assert att.fused_attention(jnp.bfloat16, cache, block, on) is None  # dtype mismatch
+    with pytest.raises(OptionError, match="auto, off, pallas, interpret"):
+        KernelConfig(fused_attention="fast")
+    with pytest.raises(OptionError, match="JAXSPEC_FUSED_ATTENTION.*auto, off, pallas, interpret"):
+        KernelConfig.from_env({"JAXSPEC_FUSED_ATTENTION": "fast"})
+    if not on_gpu:
+        with pytest.raises(OptionError, match="GPU"):
+            KernelConfig(fused_attention="pallas").resolve(m.config)
 
 
 def test_time_split_traces_sharded_weights_without_the_fused_kernel(monkeypatch):
-    """The time split (and the cost model: the same decorator) traces its programs as the
-    engines do: with the fused kernel for weights on one device, without it for weights split
-    over two (the kernel has no partitioning rule)."""
-    import dataclasses
-
-    import jaxspec.model.transformer as jm
-    from jaxspec import kernels as kernel_modes
-    from jaxspec.engines import base as common
-    from jaxspec.engines.swiftspec import engine as swiftspec
+    """The time split (and the cost model: the same units) times the program the run compiled:
+    with the fused kernel for weights on one device, without it for weights split over two
+    (the kernel has no partitioning rule)."""
+    from jaxspec.api import generate
+    from jaxspec.kernels import KernelConfig
     from jaxspec.measure import time_split
-    from jaxspec.spec.sampling import Sampling
+    from jaxspec.model import sharding
 
-    changes = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_size=64)
-    m = tiny_model(0, changes)
-    ids, lens = common.pad_prompts([[1, 2, 3, 4, 5]])
+    m = tiny_model(0, SHAPE)
+    prompt = [[1, 2, 3, 4, 5]]
+    kernels = KernelConfig(fused_attention="interpret")
     calls = []
     real = R.rope_attention
     monkeypatch.setattr(R, "rope_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(jm, "FUSED_ATTENTION", "interpret")
-    kw = dict(max_new=4, options={}, sampling=Sampling(0.0, 1.0, 0), reps=1)
-    jax.clear_caches()
-    time_split.measure(m, "autoregressive", None, ids, lens, {}, **kw)
+    r = generate(m, prompt, max_new_tokens=4, kernels=kernels)
+    assert r.call.prog.net.kernels.fused_attention == "interpret" and calls
+    calls.clear()
+    retrace()
+    time_split.measure(r.call, reps=1)
     assert calls, "one device: the fused kernel is traced"
     calls.clear()
-    jax.clear_caches()
-    params, _ = swiftspec.place(m.params, m.config, jax.devices()[:2])
-    sharded = dataclasses.replace(m, params=params)
-    assert kernel_modes.spans_devices(sharded) and not kernel_modes.spans_devices(m, ids)
-    time_split.measure(sharded, "autoregressive", None, ids, lens, {}, **kw)
+    placed, _ = sharding.place(m, jax.devices()[:2])
+    assert placed.weights.sharded and not m.weights.sharded
+    r = generate(placed, prompt, max_new_tokens=4, kernels=kernels)
+    assert r.call.prog.net.kernels.fused_attention == "off"
+    retrace()
+    time_split.measure(r.call, reps=1)
     assert not calls
-    jax.clear_caches()
+    retrace()

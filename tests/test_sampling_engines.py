@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from jaxspec.api import generate
-from jaxspec.engines import base as common
+from jaxspec.engines import base
 from jaxspec.engines import chain as chain_engine
 from jaxspec.engines import tree as tree_engine
-from jaxspec.spec import acceptance
-from jaxspec.spec.sampling import Sampling, probs
+from jaxspec.spec.sampling import Sampling, draw, probs
 from tests import tiny
 
 V = 6
@@ -78,15 +77,15 @@ def models():
 
 
 def accept_everything_chain(key, x, q, p):
-    return jax.numpy.full(x.shape[:1], x.shape[1], jax.numpy.int32), acceptance.draw(key, p[:, -1])
+    return jax.numpy.full(x.shape[:1], x.shape[1], jax.numpy.int32), draw(key, p[:, -1])
 
 
 @pytest.fixture(autouse=True)
 def fresh_compiles():
-    common._COMPILED.clear()
+    base._COMPILED.clear()
     jax.clear_caches()
     yield
-    common._COMPILED.clear()
+    base._COMPILED.clear()
     jax.clear_caches()
 
 
@@ -124,7 +123,7 @@ def test_negative_control_always_accept_is_rejected(method, monkeypatch):
                 jax.numpy.int32
             )
             n = jax.numpy.sum(valid[:, 1:], axis=1).astype(jax.numpy.int32)
-            return path, n, acceptance.draw(key, p[:, -1])
+            return path, n, draw(key, p[:, -1])
 
         monkeypatch.setattr(tree_engine, "accept_tree", always_first_child)
         opts = dict(depth=2, width=1, branch=1, bs=2)

@@ -116,10 +116,10 @@ def test_a_character_split_across_tokens_is_held_back():
 
 
 def test_real_tokenizer_pieces_join_to_its_decoding():
-    from jaxspec.io.convert import _GGUFSource
     from jaxspec.io.default_model import default_gguf_path
+    from jaxspec.io.gguf import GGUFSource
 
-    tok = _GGUFSource(default_gguf_path()).tokenizer()  # SmolLM2's byte-level BPE
+    tok = GGUFSource(default_gguf_path()).tokenizer()  # SmolLM2's byte-level BPE
     ids = tok.encode("Grüße, naïve café: 東京 🎉🎉 — done.\n  def f(x):\treturn x")
     pieces, full = _pieces_of(tok, ids)
     assert "".join(pieces) == full

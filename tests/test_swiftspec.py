@@ -1,16 +1,19 @@
 """SwiftSpec: exact greedy tokens on every device layout, re-root invariants after every
 verification, draft growth during verification, faults surfaced as errors, no leaks."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from jaxspec import KernelConfig
 from jaxspec.api import generate
+from jaxspec.engines import base
 from jaxspec.engines.swiftspec import engine as swiftspec
+from jaxspec.engines.swiftspec import workers
 from jaxspec.errors import DeviceError, OptionError, WorkerError
 from jaxspec.model.kv_cache import causal_block, init_cache
 from jaxspec.model.transformer import apply
@@ -83,6 +86,55 @@ def test_swiftspec_target_as_draft_grows_during_verification_and_carries_nodes(r
         assert s["refill_expansions"] == 0
 
 
+SPARSE = dict(budget=24, sinks=4)  # a ring of 20: the prompts (23, 5, 14) + 32 new wrap it
+ACCEPT_NEW = 32
+
+
+def test_self_streaming_accepts_as_much_as_the_same_weights_as_a_draft_model():
+    """A sparse self-draft's tree cache re-roots like a dense one: the tree grown during a
+    verify survives, so SwiftSpec accepts about as many tokens a verify with
+    draft="self-streaming" as with the target's weights passed as a (dense) draft Model. (When
+    the sparse commit started a fresh tree at every re-root it accepted ~1.07 against ~2.0.)"""
+    kw = dict(
+        method="swiftspec", max_new_tokens=ACCEPT_NEW, target_devices=1, draft_devices=1,
+        loop="threads", **SHAPE,
+    )  # fmt: skip
+    for seed in range(2):
+        target, ps = target_and_prompts(seed, lengths=(23, 5, 14))
+        sparse = generate(target, ps, draft="self-streaming", **SPARSE, **kw)
+        dense = generate(target, ps, draft=target, **kw)
+        assert sparse.tokens == dense.tokens, seed
+        got, want = sparse.stats["acceptance_length"], dense.stats["acceptance_length"]
+        assert want > 1.5, seed  # the dense draft is the target: most of each path is accepted
+        assert got == pytest.approx(want, rel=0.1), seed
+        assert sparse.stats["nodes_carried"] > 0, seed
+
+
+@pytest.mark.parametrize("kind", ["model", "self-streaming"])
+def test_refill_to_depth_accepts_as_much_as_the_serial_tree_engine(kind):
+    """With refill=depth the loop waits for the tree to be regrown before a snapshot, as the
+    serial engine grows d levels before each verify: SwiftSpec then accepts as many tokens a
+    verify as the ``tree`` engine with the same draft, prompts and tree shape (depth = d), for a
+    draft Model and for a sparse self-draft."""
+    d = SHAPE["depth"]
+    for seed in range(2):
+        target, ps = target_and_prompts(seed, lengths=(23, 5, 14))
+        draft, opts = (
+            (tiny.perturbed(target, 0.05, seed), {}) if kind == "model" else (kind, SPARSE)
+        )
+        run = dict(draft=draft, max_new_tokens=ACCEPT_NEW, **SHAPE, **opts)
+        sw = generate(
+            target, ps, method="swiftspec", target_devices=1, draft_devices=1, loop="threads",
+            refill=d, **run,
+        )  # fmt: skip
+        serial = generate(target, ps, method="tree", **run)
+        assert sw.tokens == serial.tokens, seed
+        assert sw.stats["refill_expansions"] > 0, seed
+        got, want = sw.stats["acceptance_length"], serial.stats["acceptance_length"]
+        assert want > 1.5, seed
+        assert got == pytest.approx(want, rel=0.1), seed
+
+
 def test_reroot_invariants_hold_after_every_verification():
     target, ps = target_and_prompts(1)
     draft = tiny.perturbed(target, 0.2, 3)
@@ -90,11 +142,11 @@ def test_reroot_invariants_hold_after_every_verification():
     checked = []
 
     def observe(ts, ds):
-        out, count = np.asarray(ts.out), np.asarray(ts.count)
+        out, count = np.asarray(ts.out.tokens), np.asarray(ts.out.count)
         length = np.asarray(ds.cache.length)
         # the draft's root slot is the target's cache length (both dense), and its root token
         # is the last token the target emitted
-        live = np.flatnonzero(~np.asarray(ts.done))  # finished rows stop committing
+        live = np.flatnonzero(~np.asarray(ts.out.done))  # finished rows stop committing
         # the last accepted node's K/V when it was a leaf never expanded: computed once by the
         # next expansion's catch-up query (its slot is named until then), never recomputed
         pending = np.asarray(ds.catchup_slot)
@@ -143,18 +195,17 @@ def test_reroot_invariants_hold_after_every_verification():
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, params, ids, n):
-    cfg = nnx.merge(graphdef, params).cfg
-    cache = init_cache(cfg, 1, ids.shape[1])
+def _prefill(net, flat, ids, n):
+    cache = init_cache(net.cfg, 1, ids.shape[1])
     zero = jnp.zeros((1,), jnp.int32)
     block = causal_block(zero, zero, n[None], ids.shape[1])
-    return apply(graphdef, params, ids, cache, block)[1]
+    return apply(net, flat, ids, cache, block)[1]
 
 
 def prefill_kv(model, seq, width=128):
     """K/V of ``seq`` computed from scratch (padded to one width: one compile)."""
     ids = jnp.array([list(seq) + [0] * (width - len(seq))])
-    cache = _prefill(model.graphdef, model.params, ids, jnp.array(len(seq), jnp.int32))
+    cache = _prefill(model.net(), model.flat, ids, jnp.array(len(seq), jnp.int32))
     n = len(seq)
     return [np.asarray(x[0, :n]) for x in cache.k], [np.asarray(x[0, :n]) for x in cache.v]
 
@@ -176,15 +227,15 @@ def test_a_fault_in_either_worker_raises_and_the_engine_runs_again(worker, monke
         def bad_grow(*args, **kwargs):
             raise RuntimeError("injected fault in the draft")
 
-        monkeypatch.setattr(swiftspec, "draft_grow", bad_grow)
+        monkeypatch.setattr(workers, "draft_grow", bad_grow)
     else:
-        real = swiftspec.target_verify
+        real = workers.target_verify
 
         def bad_verify(*args, **kw):
             s, v, flat = real(*args, **kw)
-            return s, swiftspec.Verdict(v.path, v.n - 100, v.next, v.done), flat  # a bad value
+            return s, workers.Verdict(v.path, v.n - 100, v.next, v.done), flat  # a bad value
 
-        monkeypatch.setattr(swiftspec, "target_verify", bad_verify)
+        monkeypatch.setattr(workers, "target_verify", bad_verify)
     with pytest.raises(WorkerError, match=worker):
         generate(target, ps, **kwargs)
     monkeypatch.undo()
@@ -255,38 +306,49 @@ def test_device_loop_gives_the_threaded_loops_tokens_and_acceptance():
 
 
 def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
-    from jaxspec.engines import base as common
+    """The device loop's replicated weights are kept with the placed target model (no module
+    global): a second call with the same draft copies no weights and compiles nothing, and the
+    copy goes when the model does."""
+    import gc
+    import weakref
+
     from jaxspec.engines.swiftspec import device as swiftspec_device
 
     target, ps = target_and_prompts(7)
     draft = tiny.model(707, **CHANGES)
     kw = dict(draft=draft, method="swiftspec", max_new_tokens=8, target_devices=1)
-    swiftspec_device.clear()
+    ref = generate(target, ps, max_new_tokens=8).tokens
+
+    def replicated_copies(model):
+        placed = [v[0] for k, v in model._cache.items() if k[0] == "placed"]
+        return [v[1] for m in placed for k, v in m._cache.items() if k[0] == "swiftspec-replicated"]
+
     runs, kept, loops = [], [], []
     for _ in range(2):
         runs.append(generate(target, ps, draft_devices=1, loop="device", **kw, **SHAPE).tokens)
-        kept.append(next(iter(swiftspec_device._WEIGHTS.values()))[1])
-        loops.append({k for k in common._COMPILED if k[0] is swiftspec_device.device_loop})
-    assert runs[0] == runs[1] == generate(target, ps, max_new_tokens=8).tokens
+        (copy,) = replicated_copies(target)
+        kept.append(copy)
+        loops.append({k for k in base._COMPILED if k[0] is swiftspec_device.device_loop})
+    assert runs[0] == runs[1] == ref
     assert kept[0] is kept[1]  # the second call copied no weights
     assert loops[1] == loops[0] and loops[0]  # and compiled nothing
-    swiftspec_device.clear()
-    assert not swiftspec_device._WEIGHTS
+    gone = weakref.ref(jax.tree.leaves(kept[0])[0])
+    del target, kept, copy, runs
+    gc.collect()
+    assert gone() is None
 
 
-def test_device_loop_with_the_pallas_attention_kernel(monkeypatch):
+def test_device_loop_with_the_pallas_attention_kernel():
     """The kernel (interpreted here; compiled on a GPU) inside the loop's shard_map, cond and
     while_loop, through its custom_partitioning wrapper: tokens still equal autoregressive."""
-    import jaxspec.model.transformer as model_module
-
     changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
     target = tiny.model(1, **changes)
     ps = tiny.prompts(1, lengths=(23, 3, 11), vocab=64)
     ref = generate(target, ps, max_new_tokens=10).tokens
-    monkeypatch.setattr(model_module, "ATTENTION_IMPL", "pallas_interpret")
     r = generate(
         target, ps, draft=tiny.perturbed(target, 0.3, 1), method="swiftspec", max_new_tokens=10,
-        target_devices=1, draft_devices=1, loop="device", **SHAPE,
+        target_devices=1, draft_devices=1, loop="device",
+        kernels=KernelConfig(attention="interpret"), **SHAPE,
     )  # fmt: skip
     assert r.tokens == ref and r.stats["acceptance_length"] > 1.0
 
@@ -328,23 +390,19 @@ def test_device_loop_says_what_it_does_not_take():
 def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
     """A target that never reports done (a bug) ends in a WorkerError after max_new
     verifications, not in a loop that spins forever."""
-    import dataclasses
-
-    real = swiftspec.target_verify.__wrapped__
+    real = workers.target_verify
 
     def stuck(*args, **kwargs):
         s, v, _ = real(*args, **kwargs)
-        s = dataclasses.replace(s, done=jnp.zeros_like(s.done))
+        s = dataclasses.replace(s, out=dataclasses.replace(s.out, done=jnp.zeros_like(s.out.done)))
         v = dataclasses.replace(v, done=jnp.zeros_like(v.done))
-        return s, v, swiftspec.pack(v)
-
-    from jaxspec.engines import base as common
+        return s, v, workers.pack(v)
 
     def forget():  # programs compiled with the real verify (or, after, with the stuck one)
-        common._COMPILED.clear()
+        base._COMPILED.clear()
         jax.clear_caches()
 
-    monkeypatch.setattr(swiftspec, "target_verify", stuck)
+    monkeypatch.setattr(workers, "target_verify", stuck)
     forget()
     target, ps = target_and_prompts(6)
     try:
@@ -399,9 +457,9 @@ def test_pack_carries_float_scores_exactly():
     snapshot both devices compute from it must see the same scores, ties and -inf included."""
     scores = jnp.asarray([[0.0, -jnp.inf, 1e-38, -3.2e-5, 7.25]], jnp.float32)
     tree = dict(score=scores, ok=jnp.asarray([[True, False]]), n=jnp.asarray([3], jnp.int32))
-    back = swiftspec.unpack(swiftspec.pack(tree), swiftspec.spec(tree))
+    back = workers.unpack(workers.pack(tree), workers.spec(tree))
     assert back["score"].dtype == jnp.float32 and back["ok"].dtype == jnp.bool_
     for k in tree:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
     with pytest.raises(ValueError, match="32-bit floats"):
-        swiftspec.pack({"half": jnp.zeros(2, jnp.bfloat16)})
+        workers.pack({"half": jnp.zeros(2, jnp.bfloat16)})

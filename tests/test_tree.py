@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jaxspec.config import ModelConfig
-from jaxspec.model.kv_cache import causal_block, commit, init_cache
+from jaxspec.model.kv_cache import causal_block, commit, init_cache, move
 from jaxspec.model.transformer import apply, new_model
+from jaxspec.spec import drafts
 from jaxspec.spec import tree as T
 from jaxspec.spec.acceptance import accept_tree_greedy, top_children
 
@@ -41,6 +42,7 @@ verify_layout = jax.jit(T.verify_layout)
 expand_layout = jax.jit(T.expand_layout)
 reroot = jax.jit(T.reroot)
 reroot_kv_src = jax.jit(T.reroot_kv_src)
+reroot_kv_dst = jax.jit(T.reroot_kv_dst, static_argnums=(4, 5))
 verify_commit_src = jax.jit(T.verify_commit_src)
 path_nodes = jax.jit(T.path_nodes)
 children_of = jax.jit(lambda logits: top_children(jax.nn.log_softmax(logits), 2))
@@ -297,6 +299,25 @@ def test_reroot_hand():
     np.testing.assert_array_equal(new.token[:, 0], [40, 61])
 
 
+def test_reroot_kv_dst_dense_and_ring():
+    """Where a re-root's moved K/V rows go: a dense cache keeps them in order from the old root's
+    slot; a StreamingLLM ring (2 sinks + 6) puts the old root and the accepted path at their
+    sequence indices' ring slots and the kept subtree right behind the new length, so a sparse
+    tree cache keeps the tree it grew as a dense one does. Rows past ``count`` go nowhere."""
+    # row 0: root at slot 5 = sequence index 5, 1 accepted node, 2 kept (count 4)
+    # row 1: a full ring (slot 8), root at index 20, 2 accepted nodes, 1 kept (count 4)
+    root_slot, root_pos = jnp.array([5, 8]), jnp.array([5, 20])
+    path_len, count = jnp.array([1, 2]), jnp.array([4, 4])
+    dst, length = reroot_kv_dst(root_slot, root_pos, path_len, count, 5, None)
+    np.testing.assert_array_equal(dst, [[5, 6, 7, 8, T.NO_SLOT], [8, 9, 10, 11, T.NO_SLOT]])
+    np.testing.assert_array_equal(length, [7, 11])
+    ring = drafts.Streaming(sinks=2, window=6)
+    dst, length = reroot_kv_dst(root_slot, root_pos, path_len, count, 5, ring)
+    # ring_slot(j) = j below the budget 8, else 2 + (j - 2) % 6: 20 -> 2, 21 -> 3, 22 -> 4
+    np.testing.assert_array_equal(dst, [[5, 6, 7, 8, T.NO_SLOT], [2, 3, 4, 8, T.NO_SLOT]])
+    np.testing.assert_array_equal(length, [7, 8])
+
+
 def test_reroot_duplicate_sibling_tokens_pick_lowest_id():
     t = new_tree(jnp.array([1]), 8)
     t, _ = add_children(
@@ -460,7 +481,8 @@ def _path_tokens(tr, row, node):
 
 def test_tree_forwards_and_reroot_match_full_forward():
     model = new_model(CFG, seed=3)
-    fwd = jax.jit(lambda p, t, c, blk: apply(model.graphdef, p, t, c, blk))
+    net, flat = model.net(), model.flat
+    fwd = jax.jit(lambda p, t, c, blk: apply(net, p, t, c, blk))
     checks = []  # (context tokens, logits got): checked at the end in one batched full forward
 
     def expect(seq, got):
@@ -475,7 +497,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     def prefilled():
         cache = init_cache(CFG, b, 48)
         blk = causal_block(cache.length, cache.length, root_slot, p_len - 1)
-        _, cache = fwd(model.params, jnp.asarray(prompt[:, :-1]), cache, blk)
+        _, cache = fwd(flat, jnp.asarray(prompt[:, :-1]), cache, blk)
         cache.length = root_slot
         return cache
 
@@ -486,7 +508,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     for _ in range(4):
         leaves = best_leaves(tr, 2, expanded)
         tokens, blk = expand_layout(tr, leaves, root_slot, root_pos)
-        logits, cache = fwd(model.params, tokens, cache, blk)
+        logits, cache = fwd(flat, tokens, cache, blk)
         for r in range(b):
             for q, leaf in enumerate(np.asarray(leaves[r])):
                 if leaf >= 0:
@@ -499,7 +521,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     tcache = prefilled()
     idx, count = select_subtree(tr, 6)
     tb = verify_layout(tr, idx, count, root_slot, root_pos)
-    tlogits, tcache = fwd(model.params, tb.tokens, tcache, tb.block)
+    tlogits, tcache = fwd(flat, tb.tokens, tcache, tb.block)
     for r in range(b):
         for t, node in enumerate(np.asarray(tb.node[r])):
             if node >= 0:
@@ -510,7 +532,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     tcache = commit(tcache, src, cnt)
     np.testing.assert_array_equal(tcache.length, root_slot + 1 + n_acc)
     one = causal_block(tcache.length, tcache.length, jnp.ones((b,), jnp.int32), 1)
-    logits, _ = fwd(model.params, nxt[:, None], tcache, one)
+    logits, _ = fwd(flat, nxt[:, None], tcache, one)
     nodes = path_nodes(tb, path)
     for r in range(b):
         last = int(nodes[r, int(n_acc[r]) - 1])
@@ -537,8 +559,9 @@ def test_tree_forwards_and_reroot_match_full_forward():
     new, keep_src, n_kept = reroot(tr, paths, lens, bonus)
     assert int(n_kept[0]) >= 2 and int(n_kept[1]) == 0
     src, cnt, new_root_slot = reroot_kv_src(root_slot, paths, lens, keep_src)
-    cache = commit(cache, src, cnt)
-    cache.length = new_root_slot
+    dst, length = reroot_kv_dst(root_slot, root_pos, lens, cnt, src.shape[1], None)
+    np.testing.assert_array_equal(length, new_root_slot)
+    cache = move(cache, src, dst, length)  # the draft's re-root (tree_drafts.ModelTreeDraft)
     ks = np.asarray(keep_src)
     new_exp = np.take_along_axis(expanded, np.maximum(ks, 0), axis=1) & (ks >= 0)
     assert bool(new_exp[0, 0]) and not bool(new_exp[1, 0])
@@ -547,7 +570,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     for _ in range(2):
         leaves = best_leaves(new, 2, new_exp)
         tokens, blk = expand_layout(new, leaves, new_root_slot, new_root_slot)
-        logits, cache = fwd(model.params, tokens, cache, blk)
+        logits, cache = fwd(flat, tokens, cache, blk)
         for r in range(b):
             for q, leaf in enumerate(np.asarray(leaves[r])):
                 if leaf >= 0:
@@ -564,7 +587,7 @@ def test_tree_forwards_and_reroot_match_full_forward():
     fc = init_cache(CFG, len(checks), toks.shape[1])
     zeros = jnp.zeros((len(checks),), jnp.int32)
     blk = causal_block(zeros, zeros, jnp.asarray(lens, jnp.int32), toks.shape[1])
-    ref, _ = fwd(model.params, jnp.asarray(toks), fc, blk)
+    ref, _ = fwd(flat, jnp.asarray(toks), fc, blk)
     ref = np.asarray(ref)[np.arange(len(checks)), lens - 1]
     np.testing.assert_allclose(np.stack([g for _, g in checks]), ref, atol=1e-5)
     assert len(checks) > 30

@@ -139,25 +139,44 @@ def test_the_public_api_is_importable_from_the_package(model):
 
 
 @pytest.mark.parametrize(
-    "module, name",
-    [("jaxspec.model.transformer", "FUSED_IMPL"), ("jaxspec.model.kv_cache", "FUSED_COMMIT")],
+    "var, value, says",
+    [
+        ("JAXSPEC_FUSED_LINEAR", "fast", "must be one of auto, off, pallas, interpret"),
+        ("JAXSPEC_FUSED_COMMIT", "fast", "must be one of auto, off, pallas, interpret"),
+        ("JAXSPEC_ATTENTION", "triton", "must be one of auto, reference, pallas, interpret"),
+        ("JAXSPEC_PREFILL_CHUNK", "40", "multiple of 16"),
+        ("JAXSPEC_MIN_GEMM_ROWS", "x", "non-negative integer"),
+    ],
 )
-def test_cli_bad_kernel_switch_exits_2(ckpt, module, name, monkeypatch, capsys):
-    """JAXSPEC_FUSED_LINEAR=fast (read at import, checked when a program is traced) is an
-    OptionError that names the choices: printed, exit 2."""
-    import importlib
-
-    import jax
-
-    from jaxspec.engines import base as common
-
-    monkeypatch.setattr(importlib.import_module(module), name, "fast")
-    common._COMPILED.clear()  # a cached program would not trace again
-    jax.clear_caches()
+def test_cli_bad_kernel_variable_exits_2(ckpt, var, value, says, monkeypatch, capsys):
+    """JAXSPEC_FUSED_LINEAR=fast (read by the CLI into its KernelConfig before any work) is an
+    OptionError that names the variable and the choices: printed, exit 2."""
+    monkeypatch.setenv(var, value)
     argv = ["generate", "w3", "--model", str(ckpt), "--raw", "--max-new-tokens", "4"]
-    argv += ["--method", "tree", "--draft", "ngram"]  # the tree commits: both switches are read
+    argv += ["--method", "tree", "--draft", "ngram"]
     code = cli.main(argv)
     err = capsys.readouterr().err
-    common._COMPILED.clear()
-    jax.clear_caches()
-    assert code == 2 and err.startswith("error: ") and "must be one of off, auto" in err
+    assert code == 2 and err.startswith("error: ") and var in err and says in err
+
+
+@pytest.mark.parametrize(
+    "kernels, says",
+    [
+        (lambda: "reference", "kernels must be a jaxspec.KernelConfig"),
+        (lambda: jaxspec.KernelConfig(fused_linear="fast"), "fused_linear must be one of"),
+        (lambda: jaxspec.KernelConfig(prefill_chunk=40), "multiple of 16"),
+        (lambda: jaxspec.KernelConfig(linear_tile=(48, 128, 4)), "linear_tile"),
+    ],
+)
+def test_generate_rejects_a_bad_kernel_config(model, kernels, says):
+    with pytest.raises(OptionError, match=says):
+        generate(model, "w3 w4", kernels=kernels())
+
+
+def test_a_gpu_kernel_on_another_backend_is_an_option_error(model):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU runs the kernel")
+    with pytest.raises(OptionError, match="needs a GPU backend.*interpret"):
+        generate(model, "w3 w4", kernels=jaxspec.KernelConfig(fused_attention="pallas"))

@@ -14,8 +14,10 @@ bench() {  # NAME SECONDS COMMAND...: COMMAND under a time limit, its output als
 
 gpus() { nvidia-smi -L 2>/dev/null | grep -c "^GPU"; }
 
-stash() {  # call 1 of the GGUF transfer (carry .carry1 .whl): its first half, the gguf wheel
+stash() {  # call 1 of the GGUF transfer (carry .carry1 .whl): its first half, the gguf wheel,
+  # and the PyTorch peer's script when carried (cp ../shared/peers/torch_cudagraph.py .carry1/)
   mkdir -p ~/gguf && cp .carry1/gguf.part00 ~/gguf/ || return 1
+  if [ -f .carry1/torch_cudagraph.py ]; then mkdir -p ~/peer && cp .carry1/torch_cudagraph.py ~/peer/; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target ~/site .whl/*.whl
 }

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where a SmolLM2-shape decode step's time goes, one H200 (probe_small.py: 32 steps in one device
-# loop, its kernels from a profiler trace), random bf16 weights, batch 1: the plain path, each GPU
-# default alone and all of them, one process per setting (the switches are read at import).
-# No GGUF needed. About 3 minutes. Writes $OUT/probe_<setting>.json, one per setting: the rows of
-# results/small_step_probe.json.
+# loop, its kernels from a profiler trace), random bf16 weights, batch 1: the plain path, the
+# defaults (KernelConfig's GPU row), and the split-K projection kernels at other tilings (which
+# tiling is the default is decided here). One process per setting (set through JAXSPEC_*, which
+# the script reads with KernelConfig.from_env). No GGUF. About 4 minutes. Writes
+# $OUT/small_step_probe.json (a row per setting: results/small_step_probe.json).
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
@@ -15,9 +16,10 @@ probe() {  # SETTING CONTEXT [VAR=VALUE...]
 }
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)
 probe plain_c1024 1024 "${plain[@]}"
-probe fused_attention_c1024 1024 "${plain[@]}" JAXSPEC_FUSED_ATTENTION=pallas
-probe padded_stream_c1024 1024 "${plain[@]}" JAXSPEC_ROW_PADDING=stream
-probe fused_attention_padded_stream_c1024 1024 "${plain[@]}" JAXSPEC_FUSED_ATTENTION=pallas \
-  JAXSPEC_ROW_PADDING=stream
 probe defaults_c1024 1024
+for t in 128:128:4 32:128:4 64:256:4 64:64:4 64:128:8; do
+  IFS=: read -r bn bk w <<< "$t"
+  probe "tile_${bn}x${bk}x${w}_c1024" 1024 JAXSPEC_FUSED_BN="$bn" JAXSPEC_FUSED_BK="$bk" \
+    JAXSPEC_FUSED_WARPS="$w"
+done
 probe defaults_c4096 4096

@@ -237,6 +237,13 @@ def _profile(sub) -> None:
 # (flag, Recipe/DataSpec field, type, help): distill's training and data options. Defaults are
 # None here so that --resume can tell the options given from those left at their defaults.
 DISTILL_OPTIONS = (
+    (
+        "--kind",
+        "kind",
+        str,
+        "model (a small decoder) or feature (an EAGLE-1 head over the "
+        "target's hidden states; layers default 1, init random)",
+    ),
     ("--layers", "layers", int, "decoder layers of the draft"),
     ("--intermediate", "intermediate", int, "MLP width of the draft"),
     ("--init", "init", str, "copy (the target's first layers, MLP trimmed), copy-spread, random"),
@@ -249,6 +256,9 @@ DISTILL_OPTIONS = (
     ("--weight-decay", "weight_decay", float, "AdamW weight decay (matrices only)"),
     ("--clip", "clip", float, "global gradient-norm clip"),
     ("--ce-weight", "ce_weight", float, "weight of CE on the target's greedy token beside KL"),
+    ("--feature-weight", "feature_weight", float, "feature kind: weight of the state regression"),
+    ("--token-weight", "token_weight", float, "feature kind: weight of the token loss"),
+    ("--noise", "noise", float, "feature kind: width of the uniform noise on the input states"),
     ("--seed", "seed", int, "data-order seed"),
     ("--samples", "samples", int, "temperature samples per prompt, besides the greedy one"),
     ("--temperature", "temperature", float, "temperature of those samples"),
@@ -268,7 +278,9 @@ def _distill(sub) -> None:
         "embedding and LM head shared) from the target's own greedy and sampled continuations "
         "of real prompts (the first 20 HumanEval prompts are held out): KL(target || draft) "
         "over the full vocabulary plus CE on the target's greedy token, AdamW with warmup and "
-        "cosine decay, Orbax checkpoints (--resume). The draft lands in OUT/draft; use it with "
+        "cosine decay, Orbax checkpoints (--resume). --kind feature trains an EAGLE-1 head "
+        "instead (one decoder layer over the target's final hidden state and the next token; "
+        "loss: state regression + token KL). The draft lands in OUT/draft; use it with "
         "--draft OUT in generate, bench and profile.",
     )
     _add_model_args(d, flag="--target")

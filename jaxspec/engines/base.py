@@ -15,6 +15,10 @@ An engine (``ENGINES[method]``, filled in ``jaxspec.engines``) has:
 Shared here: the output bookkeeping (``Out``, ``first``, ``emit``), the loop (``until_done``),
 the stats types, and the one compile cache (``compiled``), keyed by the program, the weights'
 layout and the argument shapes, so a warm call costs a dict lookup and a dispatch.
+
+long: the interface, the options' parsing, the loop and its streamed segments, the stats and the
+compile cache are the one contract every engine and measurement shares; cut apart, each piece
+would import the others.
 """
 
 from __future__ import annotations
@@ -104,14 +108,15 @@ def emit(o: Out, new: Int[Array, "b w"], n_new: Int[Array, " b"], eos) -> Out:
     return Out(tokens, count, done, o.steps + 1, emitted, o.live_steps + live)
 
 
-def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int):
+def start(net: Net, tflat, ids, lens, key, req: Request, capacity: int, features=None):
     """The shared beginning of every engine: the target's cache (``capacity`` slots), its
-    prefill, the first token drawn and the output holding it. Returns (cache, token, out, key)."""
-    cache = init_cache(net.cfg, ids.shape[0], capacity, tflat[0].dtype)
-    logits, cache = prefill(net, tflat, cache, ids, lens)
+    prefill, the first token drawn and the output holding it. Returns (cache, token, out, key),
+    and the prompt's hidden states ``features`` names (``prefill``'s) after them when given."""
+    cache = init_cache(net.cfg, ids.shape[0], capacity, net.dtype)
+    logits, cache, *feats = prefill(net, tflat, cache, ids, lens, features)
     key, sub = jax.random.split(key)
     tok = sample(sub, logits, req.sampling)
-    return cache, tok, first(tok, req), key
+    return cache, tok, first(tok, req), key, *feats
 
 
 def until_done(step, s, chunk: int, limit=None):
@@ -220,19 +225,26 @@ class EngineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftOptions(EngineOptions):
-    """What shapes a draft (``spec.drafts.resolve``): the sparse budget of a self-draft or a
-    sparse draft model, and prompt lookup's n-gram."""
+class SparseOptions(EngineOptions):
+    """The sparse KV budget of a self-draft or a sparse draft model (``spec.drafts.resolve``)."""
 
     budget: int = 256
     sinks: int = 4
     window: int | None = None
     obs: int = 16
     pool: str = "max"
-    ngram: int = 3
 
     def draft_kwargs(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DraftOptions)}
+        """The options that shape the draft, as ``spec.drafts.resolve`` takes them."""
+        names = [f.name for f in dataclasses.fields(DraftOptions) if hasattr(self, f.name)]
+        return {n: getattr(self, n) for n in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOptions(SparseOptions):
+    """A draft's options: the sparse budget, and prompt lookup's n-gram."""
+
+    ngram: int = 3
 
 
 # ---------------------------------------------------------------- stats
@@ -430,11 +442,34 @@ def compiled(
         with Timer() as t:
             donated = tuple(i + 1 for i in donate)
             jitted = jax.jit(fn, static_argnums=0, donate_argnums=donated)
-            exe = jitted.lower(static, *args).compile()
+            exe = jitted.lower(static, *args).compile(compiler_options=compiler_options(static))
         _COMPILED[full] = exe
         while len(_COMPILED) > MAX_PROGRAMS:
             _COMPILED.popitem(last=False)
     return exe, t.s
+
+
+def compiler_options(static) -> dict:
+    """The XLA options of a program: those of the kernels of every model it runs (``Net``s found
+    in the static program, its draft's included); a program with invariant numerics for any."""
+    out: dict = {}
+    seen = set()
+
+    def walk(x):
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, Net):
+            out.update(x.kernels.compiler_options())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif isinstance(x, tuple | list):
+            for y in x:
+                walk(y)
+
+    walk(static)
+    return out
 
 
 def shapes_key(*arrays) -> tuple:

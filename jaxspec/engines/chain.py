@@ -53,10 +53,11 @@ class State:
 
 
 def init(prog: Program, tflat, dflat, ids, lens, seed) -> State:
-    cache, tok, out, key = base.start(
-        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity
-    )
-    pre = drafts.Prefill(ids, lens, cache, prog.capacity, prog.gamma + 2)
+    cache, tok, out, key, *feats = base.start(
+        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity,
+        prog.draft.reads,
+    )  # fmt: skip
+    pre = drafts.Prefill(ids, lens, cache, prog.capacity, prog.gamma + 2, *feats)
     return State(cache, tok, out, prog.draft.init(dflat, pre, tok), key)
 
 
@@ -68,39 +69,41 @@ def propose(prog: Program, dflat, s: State, key):
 
 def verify(prog: Program, tflat, cache: KVCache, token, x, q, key):
     """The target over ``[token, x_1..x_gamma]`` (gamma + 1 positions), then the lossless chain
-    rule: (accepted count, next token, cache with the block written, not yet committed). Greedy
-    needs no ``q``: the rule is then the argmax match (``accept_chain_greedy``)."""
+    rule: (accepted count, next token, cache with the block written, not yet committed, and the
+    target's states at the block that the draft ``reads``: None if none). Greedy needs no
+    ``q``: the rule is then the argmax match (``accept_chain_greedy``)."""
     b, gamma = x.shape
     block = causal_block(
         cache.length, cache.length, jnp.full((b,), gamma + 1, jnp.int32), gamma + 1
     )
     tokens = jnp.concatenate([token[:, None], x], 1)
-    logits, cache = apply(prog.net, tflat, tokens, cache, block)
+    logits, cache, *feats = apply(prog.net, tflat, tokens, cache, block, None, prog.draft.reads)
     if prog.req.sampling.greedy:  # no [B, gamma + 1, V] one-hot rows and no draw
         n_acc, nxt = accept_chain_greedy(x, jnp.argmax(logits, axis=-1))
     else:
         n_acc, nxt = accept_chain(key, x, q, probs(logits, prog.req.sampling))
-    return n_acc, nxt, cache
+    return n_acc, nxt, cache, (feats or [None])[0]
 
 
-def commit(prog: Program, s: State, x, n_acc, nxt, cache: KVCache, dstate, key) -> State:
+def commit(prog: Program, s: State, x, n_acc, nxt, cache: KVCache, dstate, key, feats) -> State:
     """Emit the accepted tokens and the target's next one; the target's block joins its prefix
-    up to them (it is already in place); the draft commits the same."""
+    up to them (it is already in place); the draft commits the same (with the target's states
+    at the block, for a draft that reads them)."""
     gamma = prog.gamma
     new = jnp.concatenate([x, nxt[:, None]], 1)
     new = jnp.where(jnp.arange(gamma + 1)[None, :] == n_acc[:, None], nxt[:, None], new)
     live = ~s.out.done
     out = base.emit(s.out, new, n_acc + 1, prog.req.eos)
     cache = advance(cache, jnp.where(live, n_acc + 1, 0))
-    dstate = prog.draft.commit(dstate, x, n_acc, nxt)
+    dstate = prog.draft.commit(dstate, x, n_acc, nxt, feats)
     return State(cache, nxt, out, dstate, key)
 
 
 def step(prog: Program, tflat, dflat, s: State) -> State:
     key, k_draft, k_accept = jax.random.split(s.key, 3)
     x, q, dstate = propose(prog, dflat, s, k_draft)
-    n_acc, nxt, cache = verify(prog, tflat, s.cache, s.token, x, q, k_accept)
-    return commit(prog, s, x, n_acc, nxt, cache, dstate, key)
+    n_acc, nxt, cache, feats = verify(prog, tflat, s.cache, s.token, x, q, k_accept)
+    return commit(prog, s, x, n_acc, nxt, cache, dstate, key, feats)
 
 
 def decode(prog: Program, tflat, dflat, ids, lens, seed) -> base.Out:
@@ -132,7 +135,7 @@ def _proposal(prog, tflat, dflat, s: State):
 
 def _verify_unit(prog, tflat, dflat, s: State, aux) -> State:
     x, q = aux
-    n_acc, nxt, cache = verify(prog, tflat, s.cache, s.token, x, q, s.key)
+    n_acc, nxt, cache, _ = verify(prog, tflat, s.cache, s.token, x, q, s.key)
     cache.length = s.cache.length
     return _keep(prog, dataclasses.replace(s, cache=cache), n_acc + nxt)
 

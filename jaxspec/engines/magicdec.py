@@ -24,6 +24,7 @@ import jax
 
 from jaxspec.engines import base, chain, tree
 from jaxspec.errors import DraftError, OptionError
+from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.transformer import Model
 from jaxspec.spec import drafts, tree_drafts
 
@@ -44,7 +45,7 @@ SPARSE = ("streaming", "snapkv", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
-class Options(base.DraftOptions):
+class Options(base.SparseOptions):
     """``gamma`` (an int, or "auto": the cost model picks from ``candidate_gammas()``);
     ``shape`` ("auto", "chain", "tree"; None: "chain" when gamma is fixed, "tree" when a tree
     option is given, else "auto"); the tree options (None: ``tree.TreeShape``'s defaults);
@@ -88,8 +89,10 @@ class Options(base.DraftOptions):
     @property
     def tree_shape(self) -> tree.TreeShape:
         d = tree.TreeShape()
+        given = (getattr(self, k) for k in ("depth", "width", "branch", "bs"))
+        defaults = (d.depth, d.width, d.branch, d.bs)
         return tree.TreeShape(
-            *(getattr(self, k) or getattr(d, k) for k in ("depth", "width", "branch", "bs"))
+            *(v if v is not None else g for v, g in zip(given, defaults, strict=True))
         )
 
     @property
@@ -112,9 +115,9 @@ class MagicDecStats(base.SpecStats):
 
 
 def resolve_draft(target: Model, draft, options: Options, kernels):
-    """(draft object, its weights) for MagicDec: a sparse-KV self draft, or a draft Model with a
-    sparse (default "streaming") or "dense" cache. Checks that the draft's recent window holds
-    the largest block a run may speculate."""
+    """(draft object, its weights) for MagicDec: a sparse-KV self draft, a draft Model with a
+    sparse (default "streaming") or "dense" cache, or a feature draft (dense). Checks that the
+    draft's recent window holds the largest block a run may speculate."""
     if draft == "ngram":
         raise DraftError(
             "method='magicdec' speculates with a sparse-KV draft: pass draft='self-streaming', "
@@ -126,7 +129,9 @@ def resolve_draft(target: Model, draft, options: Options, kernels):
             "'self-snapkv' or a draft Model (which gets a StreamingLLM cache)."
         )
     sparse = options.sparse
-    if isinstance(draft, Model):
+    if isinstance(draft, FeatureModel):  # always dense (spec.feature_drafts): resolve checks
+        sparse = None if sparse == "dense" else sparse
+    elif isinstance(draft, Model):
         sparse = "streaming" if sparse is None else sparse
         sparse = None if sparse == "dense" else sparse
     elif sparse is not None:
@@ -180,7 +185,8 @@ class MagicDec(base.Engine):
             )
         d, w = resolve_draft(target, draft, options, kernels)
         if options.resolved_shape == "tree":
-            td = tree_drafts.tree_form(d, options.tree_shape.capacity)
+            sh = options.tree_shape
+            td = tree_drafts.tree_form(d, sh.capacity, sh.depth)
             return tree.ENGINE.program(
                 target, None, tree_options(options), req, kernels, resolved=(td, w)
             )

@@ -14,7 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.engines import base
 from jaxspec.model.kv_cache import KVCache, advance, commit
@@ -81,10 +81,11 @@ class State:
 
 
 def init(prog: Program, tflat, dflat, ids, lens, seed) -> State:
-    cache, tok, out, key = base.start(
-        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity
-    )
-    pre = tree_drafts.Prefill(ids, lens, cache, prog.capacity, prog.draft.capacity)
+    cache, tok, out, key, *feats = base.start(
+        prog.net, tflat, ids, lens, jax.random.key(seed), prog.req, prog.capacity,
+        prog.draft.reads,
+    )  # fmt: skip
+    pre = tree_drafts.Prefill(ids, lens, cache, prog.capacity, prog.draft.capacity, *feats)
     return State(cache, out, prog.draft.init(dflat, pre, tok), key)
 
 
@@ -103,7 +104,8 @@ def snapshot(tree: T.Tree, bs: int, root_slot, root_pos) -> T.TreeBlock:
 @pytree_dataclass
 class Verified:
     """A verify's outcome: accepted block slots, their number, the next token, and the target's
-    output and cache with the root and the accepted path committed."""
+    output and cache with the root and the accepted path committed; the target's states at the
+    block for a draft that reads them (else None)."""
 
     path: Int[Array, "b m"]
     n: Int[Array, " b"]
@@ -111,15 +113,18 @@ class Verified:
     cache: KVCache
     out: base.Out
     live: Bool[Array, " b"]  # rows that were live before this verify
+    feats: Float[Array, "b t f"] | None = None
 
 
 def verify_and_commit(
-    net: Net, tflat, cache: KVCache, tb: T.TreeBlock, key, out: base.Out, sampling: Sampling, eos
-) -> Verified:
+    net: Net, tflat, cache: KVCache, tb: T.TreeBlock, key, out: base.Out, sampling: Sampling, eos,
+    features=None,
+) -> Verified:  # fmt: skip
     """One target forward over the verify block ``tb``, the lossless tree rule (greedy: argmax
     walk; sampling: ``accept_tree``), the emitted tokens appended to live rows (EOS and length
-    limits respected), and the root plus the accepted path committed to the target cache."""
-    logits, cache = apply(net, tflat, tb.tokens, cache, tb.block)
+    limits respected), and the root plus the accepted path committed to the target cache.
+    ``features``: the states to return (``transformer.apply``'s), for a draft that reads them."""
+    logits, cache, *feats = apply(net, tflat, tb.tokens, cache, tb.block, None, features)
     if sampling.greedy:
         target_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
         path, n, nxt = accept_tree_greedy(tb.tokens, tb.parent, tb.valid, target_tokens)
@@ -133,7 +138,7 @@ def verify_and_commit(
     out = base.emit(out, new, n + 1, eos)
     src, cnt = T.verify_commit_src(cache.length, path, n)
     cache = commit(cache, src, jnp.where(live, cnt, 0), mode=net.kernels.fused_commit)
-    return Verified(path, n, nxt, cache, out, live)
+    return Verified(path, n, nxt, cache, out, live, *feats)
 
 
 def step(prog: Program, tflat, dflat, s: State) -> State:
@@ -141,9 +146,10 @@ def step(prog: Program, tflat, dflat, s: State) -> State:
     dstate = grow(prog, dflat, s.draft)
     tb = snapshot(dstate.tree, prog.shape.bs, s.cache.length, s.cache.length)
     v = verify_and_commit(
-        prog.net, tflat, s.cache, tb, k_verify, s.out, prog.req.sampling, prog.req.eos
-    )
-    dstate = prog.draft.commit(dstate, tb, v.path, v.n, v.next)
+        prog.net, tflat, s.cache, tb, k_verify, s.out, prog.req.sampling, prog.req.eos,
+        prog.draft.reads,
+    )  # fmt: skip
+    dstate = prog.draft.commit(dstate, tb, v.path, v.n, v.next, v.feats)
     return State(v.cache, v.out, dstate, key)
 
 
@@ -190,8 +196,9 @@ class Tree(base.Engine):
         """``resolved``: an already resolved (tree draft, weights), as MagicDec passes."""
         shape = options.shape
         d, w = resolved or tree_drafts.resolve(
-            target, draft, capacity=shape.capacity, kernels=kernels, **options.draft_kwargs()
-        )
+            target, draft, capacity=shape.capacity, depth=shape.depth, kernels=kernels,
+            **options.draft_kwargs(),
+        )  # fmt: skip
         net = target.net(kernels)
         capacity = req.width + req.max_new + shape.capacity + 2
         chunk = base.spec_chunk(net.kernels, req.batch)

@@ -1,4 +1,5 @@
 """HF safetensors folders and GGUF files -> Orbax checkpoints; Orbax checkpoints -> ``Model``.
+The readers are ``jaxspec.io.hf`` and ``jaxspec.io.gguf``; this module writes and restores.
 
 A converted checkpoint is a folder::
 
@@ -15,11 +16,9 @@ NamedShardings over a mesh).
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import shutil
-import struct
 from collections.abc import Iterator
 
 import jax
@@ -31,18 +30,13 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
+from jaxspec.io.gguf import GGUFSource
+from jaxspec.io.hf import hf_reader, load_tokenizer
 from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
 from jaxspec.model.transformer import Model, abstract_model
 
 PathLike = str | os.PathLike
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-)
 
 
 # ----------------------------------------------------------------------------- convert
@@ -75,9 +69,9 @@ def convert(
         )
     check_destination(src, dst, overwrite=overwrite)
     if src.is_dir():
-        reader = _hf_reader(src)
+        reader = hf_reader(src)
     elif src.suffix.lower() == ".gguf":
-        reader = _GGUFSource(src)
+        reader = GGUFSource(src)
     else:
         raise CheckpointError(
             f"{src} is neither a folder nor a .gguf file; give an HF model folder "
@@ -248,464 +242,6 @@ def _int_keys(tree):
     return tree
 
 
-# ----------------------------------------------------------------------------- HF safetensors
-
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": jnp.bfloat16,
-    "F8_E4M3": jnp.float8_e4m3fn,
-    "F8_E5M2": jnp.float8_e5m2,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def _hf_reader(folder: pathlib.Path) -> _HFSource:
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(
-            f"{folder} has no config.json, so it is not an HF model folder; give the folder that "
-            "holds config.json and the *.safetensors weights (or a .gguf file)."
-        )
-    return _HFSource(folder, _safetensors_files(folder))
-
-
-def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{index} is not a valid safetensors index ({e}); re-download the checkpoint."
-            ) from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{folder} lacks the shard {missing[0]} named in model.safetensors.index.json "
-                f"({len(missing)} of {len(names)} shards missing); re-download the checkpoint."
-            )
-        return [folder / n for n in names]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    files = sorted(folder.glob("model*.safetensors")) or sorted(
-        p for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated")
-    )
-    if not files:
-        raise CheckpointError(
-            f"{folder} has config.json but no *.safetensors weights; jaxspec converts "
-            "safetensors (re-save PyTorch .bin weights with save_pretrained(..., "
-            "safe_serialization=True)) or .gguf files."
-        )
-    return files
-
-
-class _SafetensorsFile:
-    """A memory-mapped safetensors file, validated up front (header, dtypes, offsets)."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise ValueError("file shorter than the 8-byte header length")
-                (n,) = struct.unpack("<Q", head)
-                if n > size - 8:
-                    raise ValueError(f"header length {n} exceeds the file size {size}")
-                header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-            header.pop("__metadata__", None)
-            data_start, data_len = 8 + n, size - 8 - n
-            self.entries = {}
-            for name, info in header.items():
-                dt = np.dtype(_ST_DTYPES[info["dtype"]])
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-                if not 0 <= begin <= end <= data_len:
-                    raise ValueError(f"tensor {name} lies outside the file (truncated?)")
-                if end - begin != math.prod(shape) * dt.itemsize:
-                    raise ValueError(f"tensor {name} has {end - begin} bytes for shape {shape}")
-                self.entries[name] = (dt, shape, data_start + begin)
-        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"{path} is not a valid safetensors file ({e}); it is corrupt or truncated. "
-                "Re-download or re-export the checkpoint."
-            ) from None
-        self._mm = None
-
-    def get(self, name: str) -> np.ndarray:
-        dt, shape, offset = self.entries[name]
-        if math.prod(shape) == 0:
-            return np.zeros(shape, dt)
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        nbytes = math.prod(shape) * dt.itemsize
-        return self._mm[offset : offset + nbytes].view(dt).reshape(shape)
-
-
-class _HFSource:
-    def __init__(self, folder: pathlib.Path, files: list[pathlib.Path]):
-        self.folder = folder
-        self.files = [_SafetensorsFile(p) for p in files]
-
-    def config(self) -> ModelConfig:
-        try:
-            hf = json.loads((self.folder / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"{self.folder / 'config.json'} is not valid JSON ({e}); re-download it."
-            ) from None
-        if not isinstance(hf, dict):
-            raise CheckpointError(f"{self.folder / 'config.json'} is not a JSON object.")
-        return ModelConfig.from_hf(hf)
-
-    def num_tensors(self) -> int:
-        return sum(len(f.entries) for f in self.files)
-
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-        for f in self.files:
-            for name in f.entries:
-                try:
-                    arr = f.get(name)
-                except (OSError, ValueError) as e:
-                    raise CheckpointError(
-                        f"could not read tensor {name} from {f.path} ({e}); the file is corrupt."
-                    ) from None
-                yield name, arr
-
-    def tokenizer(self):
-        if not any((self.folder / n).is_file() for n in _TOKENIZER_FILES):
-            return None
-        return _load_tokenizer(str(self.folder))
-
-
-# tokenizer classes that are transformers' plain fast tokenizer (as jaxspec saves a GGUF's)
-_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def _load_tokenizer(folder: str, **kwargs):
-    try:
-        if not kwargs and _plain_fast(pathlib.Path(folder)):
-            # AutoTokenizer imports torch (3 s of a 5 s warm start on 2 cores); the plain fast
-            # class loads the same tokenizer without it
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    except Exception as e:  # transformers raises many kinds
-        where = f"{folder}/{kwargs['gguf_file']}" if "gguf_file" in kwargs else folder
-        raise CheckpointError(
-            f"the tokenizer in {where} could not be loaded ({type(e).__name__}: {e}); fix or "
-            "remove its tokenizer files, or convert without it (tokenizer=False)."
-        ) from None
-
-
-def _plain_fast(folder: pathlib.Path) -> bool:
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (folder / "tokenizer.json").is_file() and config.get("tokenizer_class") in _PLAIN_FAST
-
-
-# ----------------------------------------------------------------------------- GGUF
-
-# llama.cpp tensor names -> HF names ({i}: layer).
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# GGUF general.architecture -> (jaxspec family, whether llama.cpp permuted the q/k rows).
-_GGUF_ARCHS = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rotary row permutation of a q or k weight (or bias).
-
-    llama.cpp's converter (``LlamaModel.permute``) reorders each head's rows from HF's
-    rotate-half layout (pairs (j, j + hd/2)) to interleaved pairs (2j, 2j+1)::
-
-        w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-    This is its inverse (as transformers' ``LlamaTensorProcessor``): ``n_head`` is the number
-    of query heads for q and of key/value heads for k.
-    """
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-class _GGUFSource:
-    def __init__(self, path: pathlib.Path):
-        import gguf
-
-        self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-            self.by_name = {t.name: t for t in self.reader.tensors}
-        except Exception as e:  # gguf raises ValueError, struct errors, IndexError, ...
-            raise CheckpointError(
-                f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it is corrupt "
-                "or truncated. Re-download it."
-            ) from None
-        arch = self._field("general.architecture")
-        if arch not in _GGUF_ARCHS:
-            raise CheckpointError(
-                f"unsupported GGUF architecture {arch!r}; jaxspec converts GGUF architectures "
-                f"{', '.join(sorted(_GGUF_ARCHS))} (Llama 2/3, Mistral, SmolLM2, Qwen2)."
-            )
-        self.arch = arch
-        self.family, self.permuted = _GGUF_ARCHS[arch]
-
-    def _field(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as e:
-            raise CheckpointError(
-                f"{self.path}: metadata {key} is unreadable ({e}); the file is corrupt."
-            ) from None
-
-    def _need(self, key: str):
-        value = self._field(f"{self.arch}.{key}")
-        if value is None:
-            raise CheckpointError(
-                f"{self.path} lacks the metadata {self.arch}.{key}; it is not a complete "
-                f"{self.arch} GGUF."
-            )
-        return value
-
-    def config(self) -> ModelConfig:
-        heads = int(self._need("attention.head_count"))
-        hidden = int(self._need("embedding_length"))
-        head_dim = int(self._field(f"{self.arch}.attention.key_length") or hidden // heads)
-        rope_dim = self._field(f"{self.arch}.rope.dimension_count")
-        if rope_dim is not None and int(rope_dim) != head_dim:
-            raise CheckpointError(
-                f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dim}, "
-                f"head_dim={head_dim}) are not supported."
-            )
-        scaling_type = self._field(f"{self.arch}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            raise CheckpointError(
-                f"{self.path}: RoPE scaling {scaling_type!r} is not supported; jaxspec supports "
-                "'llama3' scaling and none."
-            )
-        theta = float(self._field(f"{self.arch}.rope.freq_base") or 10000.0)
-        emb = self.by_name.get("token_embd.weight")
-        if emb is None:
-            raise CheckpointError(f"{self.path} lacks token_embd.weight; the file is incomplete.")
-        vocab = int(emb.shape[-1])  # ggml order: [hidden, vocab]
-        rope_scaling = None
-        freqs = self.by_name.get("rope_freqs.weight")
-        if freqs is not None:
-            rope_scaling = llama3_scaling_from_rope_freqs(
-                np.asarray(self._dequantize(freqs), np.float64), theta, head_dim
-            )
-        eos = []
-        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            v = self._field(f"tokenizer.ggml.{key}")
-            if v is not None and int(v) not in eos:
-                eos.append(int(v))
-        bos = self._field("tokenizer.ggml.bos_token_id")
-        return ModelConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(self._need("feed_forward_length")),
-            num_layers=int(self._need("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(self._field(f"{self.arch}.attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            max_position_embeddings=int(self._field(f"{self.arch}.context_length") or 4096),
-            rope_theta=theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(self._need("attention.layer_norm_rms_epsilon")),
-            tie_word_embeddings="output.weight" not in self.by_name,
-            qkv_bias=self.family == "qwen2" or "blk.0.attn_q.bias" in self.by_name,
-            family=self.family,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(eos),
-        )
-
-    def num_tensors(self) -> int:
-        return len(self.reader.tensors)
-
-    def _dequantize(self, t) -> np.ndarray:
-        from gguf import quants
-
-        try:
-            return quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise CheckpointError(
-                f"{self.path}: tensor {t.name} uses the quantization {t.tensor_type.name}, "
-                "which the gguf package cannot dequantize; use another quantization."
-            ) from None
-        except Exception as e:
-            raise CheckpointError(
-                f"{self.path}: tensor {t.name} is unreadable ({type(e).__name__}: {e}); the "
-                "file is corrupt or truncated."
-            ) from None
-
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-        for t in self.reader.tensors:
-            name = _hf_name(t.name)
-            if name is None:
-                continue
-            arr = self._dequantize(t)
-            if self.permuted and (".attn_q." in t.name or ".attn_k." in t.name):
-                n = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-                if arr.shape[0] % (2 * n):
-                    raise CheckpointError(
-                        f"{self.path}: tensor {t.name} has {arr.shape[0]} rows, not a multiple "
-                        f"of 2 x {n} heads; the file does not match its metadata."
-                    )
-                arr = unpermute_qk(arr, n)
-            yield name, arr
-
-    def tokenizer(self):
-        if "tokenizer.ggml.tokens" not in self.reader.fields:
-            return None
-        try:
-            return self._tokenizer_without_torch()
-        except ImportError:  # another transformers layout: its own loader (needs torch)
-            return _load_tokenizer(str(self.path.parent), gguf_file=self.path.name)
-
-    def _tokenizer_without_torch(self):
-        """The tokenizer transformers builds from a GGUF, without its GGUF reader (which imports
-        torch): the metadata comes from the ``gguf`` package, the construction is transformers'
-        own ``convert_gguf_tokenizer``, so both spell the same tokenizer."""
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            _SPECIAL_TOKENS,
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
-
-        def grouped(group):
-            out = {}
-            for key, name in GGUF_TOKENIZER_MAPPING[group].items():
-                value = self._field(f"tokenizer.{key}")
-                if value is not None:
-                    out[name] = value
-            return out
-
-        tokenizer, config = grouped("tokenizer"), grouped("tokenizer_config")
-        if tokenizer.get("tokenizer_type") == "llama":
-            config.setdefault("add_bos_token", True)  # as transformers: older files lack it
-        for name, key in _SPECIAL_TOKENS.items():
-            token_id = self._field(f"tokenizer.ggml.{key}")
-            config[name] = tokenizer["tokens"][int(token_id)] if token_id is not None else None
-        try:
-            fast, extra = convert_gguf_tokenizer(self.arch, tokenizer)
-            return PreTrainedTokenizerFast(tokenizer_object=fast, **config, **extra)
-        except ImportError:
-            raise
-        except Exception as e:
-            raise CheckpointError(
-                f"the tokenizer in {self.path} could not be built ({type(e).__name__}: {e}); "
-                "convert without it (tokenizer=False) and pass token ids."
-            ) from None
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def llama3_scaling_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int) -> tuple:
-    """Recover ModelConfig.rope_scaling from llama.cpp's ``rope_freqs`` tensor.
-
-    llama.cpp stores llama3 scaling as one divisor per frequency instead of its parameters.
-    The scaling depends only on ``factor`` and the two wavelength bounds
-    ``original_max_position_embeddings / low_freq_factor`` and ``... / high_freq_factor``;
-    the parameters are recovered with ``low_freq_factor = 1`` (Meta's value) and checked by
-    recomputing every divisor.
-    """
-    from jaxspec.config import rope_inv_freq
-
-    factors = np.asarray(factors, np.float64).reshape(-1)
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if factors.shape != inv.shape:
-        raise CheckpointError(
-            f"rope_freqs has {factors.size} entries, expected {inv.size} (head_dim/2)."
-        )
-    if np.allclose(factors, 1.0):
-        return None
-    factor = float(factors.max())
-    wl = 2 * math.pi / inv
-    high_band = np.isclose(factors, 1.0, rtol=1e-5)
-    low_band = np.isclose(factors, factor, rtol=1e-5)
-    mid = ~(high_band | low_band)
-    candidates = [(1.0, 4.0, 8192)]  # Meta's Llama 3.1 / 3.2 values
-    # smooth s = (old / wl - low) / (high - low); with low = 1: s = (old / wl - 1) / (high - 1)
-    s = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
-    if mid.sum() >= 2:
-        a, b = np.polyfit(1.0 / wl[mid], s[mid], 1)  # s = a / wl + b; a = old/(h-1), b = -1/(h-1)
-        if b < 0:
-            high = 1.0 - 1.0 / b
-            candidates.append((1.0, high, round(a * (high - 1.0))))
-    elif mid.sum() == 1:
-        w0, s0 = wl[mid][0], s[mid][0]
-        for high in (4.0, 2.0, 8.0):
-            candidates.append((1.0, high, round(w0 * (s0 * (high - 1.0) + 1.0))))
-    else:
-        lo = wl[high_band].max() if high_band.any() else 0.0  # every high-band wl < old / high
-        hi = wl[low_band].min() if low_band.any() else np.inf  # every low-band wl > old / low
-        for high in (4.0, 2.0, 8.0):
-            if lo * high < hi:
-                top = hi if np.isfinite(hi) else lo * high * 2 + 2
-                candidates.append((1.0, high, round((lo * high + top) / 2)))
-    for low, high, old in candidates:
-        if old <= 0:
-            continue
-        rs = ("llama3", factor, low, high, int(old))
-        probe = ModelConfig(
-            vocab_size=1,
-            hidden_size=head_dim,
-            intermediate_size=1,
-            num_layers=1,
-            num_heads=1,
-            num_kv_heads=1,
-            head_dim=head_dim,
-            rope_theta=theta,
-            rope_scaling=rs,
-        )
-        if np.allclose(inv / rope_inv_freq(probe), factors, rtol=1e-4):
-            return rs
-    raise CheckpointError(
-        "the GGUF's rope_freqs tensor does not match llama3 RoPE scaling; this RoPE scaling "
-        "is not supported."
-    )
-
-
 # ----------------------------------------------------------------------------- load
 
 
@@ -783,7 +319,7 @@ def load(
     nnx.replace_by_pure_dict(state, _int_keys(restored))
     tok = None
     if (path / "tokenizer").is_dir():
-        tok = _load_tokenizer(str(path / "tokenizer"))
+        tok = load_tokenizer(str(path / "tokenizer"))
     return Model(cfg, graphdef, state, tok, name=path.name)
 
 

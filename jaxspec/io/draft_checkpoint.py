@@ -1,9 +1,11 @@
 """Distilled draft checkpoints: the on-disk format, the target fingerprint, ``load_draft``.
 
-A draft folder holds ``draft.json`` (format, config, the target's fingerprint, the training
+A draft folder holds ``draft.json`` (format, kind, config, the target's fingerprint, the training
 record) and ``params/`` (Orbax): only the draft's own layers. The target's embedding (and LM
 head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
-Written by ``jaxspec.train.distill``.
+Written by ``jaxspec.train.distill``. Kinds: "model" (a small decoder, loaded as a ``Model``;
+folders without a kind are of it) and "feature" (an EAGLE-1 head over the target's states,
+loaded as a ``FeatureModel``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from flax import nnx
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
 from jaxspec.io import places
-from jaxspec.model.transformer import Model
+from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
+from jaxspec.model.transformer import Model, Network, abstract_model
 
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
@@ -110,8 +113,6 @@ def _shared_of(target: Model) -> dict:
 
 
 def _draft_model(target: Model, cfg: ModelConfig, trainable: dict, name: str) -> Model:
-    from jaxspec.model.transformer import abstract_model
-
     dtype = target.dtype
     graphdef, state = abstract_model(cfg, dtype)
     pure = {**jax.tree.map(lambda x: jnp.asarray(x, dtype), trainable), **_shared_of(target)}
@@ -142,15 +143,15 @@ def is_draft_checkpoint(path: PathLike) -> bool:
     return (p / "draft.json").is_file() or (p / "draft" / "draft.json").is_file()
 
 
-def load_draft(path: PathLike, target: Model) -> Model:
+def load_draft(path: PathLike, target: Model) -> Network:
     """Load a distilled draft for ``target``: its own layers from ``path`` (a draft folder or a
     distill output folder), the shared embedding / LM head from ``target``, in the target's dtype
-    and with its tokenizer. Raises ``DraftError`` when the draft was distilled for another
-    target, ``CheckpointError`` when the files are missing or corrupt."""
+    and with its tokenizer: a ``Model``, or a ``FeatureModel`` for a feature draft (the kind is
+    in ``draft.json``). Raises ``DraftError`` when the draft was distilled for another target,
+    ``CheckpointError`` when the files are missing or corrupt."""
     import orbax.checkpoint as ocp
 
     from jaxspec.io.convert import _int_keys, _str_keys
-    from jaxspec.model.transformer import abstract_model
 
     if not isinstance(target, Model):
         raise OptionError(
@@ -174,8 +175,14 @@ def load_draft(path: PathLike, target: Model) -> Model:
         cfg = ModelConfig.from_json(json.dumps(meta["config"]))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{d / 'draft.json'} has no valid config ({e}).") from None
+    kind = meta.get("kind", "model")
+    if kind not in ("model", "feature"):
+        raise CheckpointError(
+            f"{d / 'draft.json'} is a draft of kind {kind!r}, which this jaxspec does not know; "
+            "update jaxspec or distil the draft again."
+        )
     dtype = target.dtype
-    _, abstract = abstract_model(cfg, dtype)
+    _, abstract = (abstract_head if kind == "feature" else abstract_model)(cfg, dtype)
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     want = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=dev),
@@ -192,8 +199,10 @@ def load_draft(path: PathLike, target: Model) -> Model:
             f"{str(e).splitlines()[0][:200] if str(e) else ''}); the draft is corrupt or "
             "incomplete: distil it again."
         ) from None
-    name = f"draft[{cfg.num_layers}L]({meta.get('target', {}).get('name') or target.name})"
-    return _draft_model(target, cfg, restored, name)
+    of = meta.get("target", {}).get("name") or target.name
+    if kind == "feature":
+        return head_model(target, cfg, restored, f"feature-draft[{cfg.num_layers}L]({of})")
+    return _draft_model(target, cfg, restored, f"draft[{cfg.num_layers}L]({of})")
 
 
 def shipped_draft(target: Model) -> Model | None:
@@ -213,8 +222,9 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
-    """``draft.json`` + ``params/`` (only the draft's own weights), atomically."""
+def _write_draft(dst, cfg, train, store_dtype, fp, *, training, kind="model") -> pathlib.Path:
+    """``draft.json`` + ``params/`` (only the draft's own weights), atomically. ``kind``:
+    "model" (a small decoder) or "feature" (an EAGLE-1 head, ``model.feature_head``)."""
     from jaxspec.io.convert import _save_params
     from jaxspec.io.paths import writing_beside
     from jaxspec.provenance import metadata
@@ -223,6 +233,8 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training) -> pathlib.Path:
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
     meta = {
         "format": FORMAT,
+        "kind": kind,
+        **({"variant": "eagle-1", "reads": list(EAGLE1_READS)} if kind == "feature" else {}),
         "config": json.loads(cfg.to_json()),
         "dtype": np.dtype(store_dtype).name,
         "parameters": n_params,

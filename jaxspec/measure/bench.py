@@ -204,35 +204,22 @@ def run(
 
     ids = encode_prompts(list(prompts), target.tokenizer, target.config, chat=chat)
     results: list[dict] = []
-    meta = metadata()
+    head = {
+        **metadata(), "model": target.name or "", "dataset": dataset, "source": source,
+        "chat_template": chat, "prompts": len(ids), "max_new_tokens": max_new_tokens,
+        "batch": batch, "time_split": time_split,
+        "kernels": target.net(kernels).kernels.describe(),
+        **({"budget_s": budget_s} if budget_s is not None else {}),
+    }  # fmt: skip
 
     def result() -> dict:
         rows, reference = _compared(results)
-        return {
-            **meta,
-            "model": target.name or "",
-            "dataset": dataset,
-            "source": source,
-            "chat_template": chat,
-            "reference": reference,
-            "prompts": len(ids),
-            "max_new_tokens": max_new_tokens,
-            "batch": batch,
-            "time_split": time_split,
-            "kernels": target.net(kernels).kernels.describe(),
-            **({"budget_s": budget_s} if budget_s is not None else {}),
-            "methods": rows,
-        }
+        return {**head, "reference": reference, "methods": rows}
 
-    spent = "the time budget (--budget-s) was spent"
-    runs = [(m, False) for m in methods] + [(p, True) for p in peers]
     peer_cache: dict = {}
-    for name, is_peer in runs:
+    for name, is_peer in [(m, False) for m in methods] + [(p, True) for p in peers]:
         if over():
-            dname = _draft_name(draft) if name not in ("autoregressive", "hf") else None
-            results.append({"method": name, "draft": dname, "skipped": spent})
-            if is_peer:
-                results[-1]["peer"] = True
+            results.append(_skipped(name, draft, is_peer))
             continue
         bar = tqdm(
             total=len(ids), desc=f"bench {name}", unit="prompt", disable=not progress,
@@ -256,6 +243,13 @@ def run(
             on_update(result())
     peer_cache.clear()
     return result()
+
+
+def _skipped(name: str, draft, is_peer: bool) -> dict:
+    """The row of a method or peer that the time budget left out."""
+    dname = _draft_name(draft) if name not in ("autoregressive", "hf") else None
+    row = {"method": name, "draft": dname, "skipped": "the time budget (--budget-s) was spent"}
+    return {**row, "peer": True} if is_peer else row
 
 
 def _check(methods, peers, batch, budget_s, options) -> None:

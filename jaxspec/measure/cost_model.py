@@ -316,7 +316,7 @@ def measure_tree(
     tw = target.weights
 
     def tree_prog(sh, r):
-        td = tree_drafts.tree_form(d, sh.capacity)
+        td = tree_drafts.tree_form(d, sh.capacity, sh.depth)
         opts = magicdec.tree_options(dataclasses.replace(options, **dataclasses.asdict(sh)))
         return tree.ENGINE.program(target, None, opts, r, kernels, resolved=(td, dw))[0]
 

@@ -20,7 +20,6 @@ import numpy as np
 from jaxspec.engines import base
 from jaxspec.engines.swiftspec import engine as sw
 from jaxspec.engines.swiftspec import workers as W
-from jaxspec.errors import DeviceError
 from jaxspec.model import sharding
 from jaxspec.spec.sampling import Sampling
 from jaxspec.timing import median_ms
@@ -116,12 +115,8 @@ def profile(
 ) -> list[Profile]:  # fmt: skip
     """Profiles of every split, best (smallest iteration time) first."""
     n = len(jax.devices())
-    if n < 2:
-        raise DeviceError(
-            "profiling SwiftSpec needs 2+ devices (target and draft on separate "
-            "ones); this machine has 1."
-        )
     dm = sw.draft_model(target, draft)
+    sw.split_devices(target.config, dm.config, None, None)  # one device: says what to do
     results = []
     for split in splits(target.config, dm.config, n):
         results.append(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 
 from jaxspec.measure import split
 from jaxspec.measure import units as timed
@@ -72,7 +73,7 @@ class Units:
 # attribution
 
 
-def attribute(stats: dict, units: Units, method: str) -> dict:
+def attribute(stats: Mapping, units: Units, method: str) -> dict:
     """Seconds per part of one run from its engine stats and the units at its shape."""
     wall = float(stats["wall_s"])
     if method == "swiftspec":

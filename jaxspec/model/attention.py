@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
 from jaxspec.model.kv_cache import Block
 from jaxspec.model.layers import Linear, mode_of, rows_like, tokens_of
 from pallas_kernels import dispatch, rope_attention
@@ -43,15 +44,14 @@ class Attention(nnx.Module):
         """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
         ``x``'s layout)."""
         b, t = cos.shape[:2]
-        rows = kernels.gemm_rows
-        q, k, v = self.q_proj(x, rows), self.k_proj(x, rows), self.v_proj(x, rows)
+        q, k, v = self.q_proj(x, kernels), self.k_proj(x, kernels), self.v_proj(x, kernels)
         if self.fused_attention(q.dtype, k_cache, block, kernels) is not None:
             # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
             qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)
         else:  # kept apart: under tensor parallelism a concatenate of sharded heads reshards
             qkv = tuple(tokens_of(y, b, t, -1, self.cfg.head_dim) for y in (q, k, v))
         out, k_cache, v_cache = self.attend(qkv, cos, sin, k_cache, v_cache, length, block, kernels)
-        return self.o_proj(rows_like(out, x), rows), k_cache, v_cache
+        return self.o_proj(rows_like(out, x), kernels), k_cache, v_cache
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, length, block: Block, kernels, splits=False):
         """RoPE, the cache writes and attention of the projections ``qkv [b, t, H + 2 KH, hd]``
@@ -79,9 +79,12 @@ class Attention(nnx.Module):
             q, k, v = rope_attention.split_heads(
                 rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
             )
-        k_cache = write(k_cache, apply_rope(k, cos, sin), block.slots)
+        rope = exact.rope if kernels.invariant else apply_rope
+        k_cache = write(k_cache, rope(k, cos, sin), block.slots)
         v_cache = write(v_cache, v, block.slots)
-        q = apply_rope(q, cos, sin)
+        q = rope(q, cos, sin)
+        if kernels.invariant:
+            return exact.attend(q, k_cache, v_cache, length, block.block_mask), k_cache, v_cache
         out = dispatch.attention(
             q, k_cache, v_cache, length, block.block_mask, impl=kernels.attention,
             tile=kernels.attention_tile,

@@ -1,15 +1,18 @@
-"""The transformer's building blocks: projections (with the GEMM row padding), RMSNorm, the
-MLP, RoPE tables, and the row layouts of a padded residual stream."""
+"""The transformer's building blocks: projections (with the GEMM row padding, and quantized
+weights), RMSNorm, the MLP, RoPE tables, and the row layouts of a padded residual stream."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import exact
+from pallas_kernels import quant, quant_linear
+from pallas_kernels.quant import QuantizedWeight
 
 
 def tokens_of(y, b: int, t: int, *tail: int):
@@ -59,13 +62,64 @@ def matmul(x, w, rows: int, out_dtype=None, *, w_out_in: bool = False):
     return mm(flat)[:n].reshape(*x.shape[:-1], dout)
 
 
+def weight_of(param: nnx.Param):
+    """A parameter's value: an array, or a ``QuantizedWeight`` (which ``[...]`` cannot index)."""
+    return param.get_value()
+
+
+def quant_mode(x, w: QuantizedWeight, kernels: KernelConfig) -> str | None:
+    """'pallas' / 'interpret' when ``x @ w`` takes the dequantizing kernel, else None (XLA)."""
+    mode = kernels.quant_matmul
+    if mode not in ("pallas", "interpret"):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return mode if quant_linear.unsupported_reason(rows, w) is None else None
+
+
+def project(x, w, kernels: KernelConfig, out_dtype=None):
+    """``x @ w`` for ``x [..., din]`` and a dense ``w [din, dout]`` (``matmul``, rows padded to
+    ``kernels.gemm_rows``) or a ``QuantizedWeight``: through ``quant_linear.qmatmul`` (steps of
+    at most 16 rows, ``kernels.quant_matmul``), else dequantized, then multiplied by XLA;
+    invariant numerics take ``exact.tiled_matmul`` either way. The result has ``out_dtype``
+    (default ``x``'s)."""
+    if kernels.invariant:  # one GEMM shape, a tile at a time (model/exact.py)
+        dense = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w
+        return exact.tiled_matmul(x, dense, out_dtype)
+    if not quant.is_quantized(w):
+        return matmul(x, w, kernels.gemm_rows, out_dtype)
+    mode = quant_mode(x, w, kernels)
+    if mode is None:
+        return matmul(x, quant.dequantize(w, x.dtype), kernels.gemm_rows, out_dtype)
+    bn, bk, splits, warps, stages = kernels.quant_tile or (None,) * 5
+    rows = x.reshape(-1, x.shape[-1])
+    parts = quant_linear.qmatmul(
+        rows, w, interpret=mode == "interpret", bn=bn, bk=bk, splits=splits, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    y = parts[0] if parts.shape[0] == 1 else jnp.sum(parts, axis=0)
+    return y.astype(out_dtype or x.dtype).reshape(*x.shape[:-1], w.shape[1])
+
+
+def embed_rows(table, tokens: Int[Array, "*s"]) -> Float[Array, "*s d"]:
+    """The embeddings of ``tokens``: rows of a dense ``[V, D]`` table, or columns of a quantized
+    one (stored as the LM head it also is, ``[D, V]``), dequantized."""
+    if not quant.is_quantized(table):
+        return table[tokens]
+    flat = tokens.reshape(-1)
+    cols = QuantizedWeight(
+        table.values[:, flat], table.scales[:, flat],
+        None if table.mins is None else table.mins[:, flat], table.bits, table.group, table.dtype,
+    )  # fmt: skip
+    return quant.dequantize(cols).T.reshape(*tokens.shape, -1)
+
+
 class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(init_param(rngs, (din, dout), dtype))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
-    def __call__(self, x, rows: int):
-        y = matmul(x, self.kernel[...], rows)
+    def __call__(self, x, kernels: KernelConfig):
+        y = project(x, weight_of(self.kernel), kernels)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -74,8 +128,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x, kernels: KernelConfig):
         # As HF: normalise in float32, cast back, then scale.
+        if kernels.invariant:
+            return self.weight[...] * exact.exact_rms(x, self.eps).astype(x.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
@@ -100,5 +156,6 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, rows: int):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)
+    def __call__(self, x, kernels: KernelConfig):
+        h = jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels)
+        return self.down_proj(h, kernels)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import KVCache, causal_block
@@ -44,29 +44,50 @@ def prefill(
     cache: KVCache,
     ids: Int[Array, "b l"],
     lens: Int[Array, " b"],
-) -> tuple[Float[Array, "b v"], KVCache]:
+    features: tuple[int, ...] | None = None,
+):
     """Feed each row's prompt in chunks (one compiled body, ``lax.fori_loop``); return the logits
     after each row's last prompt token and the cache with the prompt committed. The chunk is
-    ``net.kernels.prefill_tokens(batch)``, cut down to divide the width (``fit_chunk``).
+    ``net.kernels.prefill_tokens(batch)``, cut down to divide the width (``fit_chunk``). With
+    ``features`` (``transformer.apply``'s), also those hidden states at every prompt position,
+    ``[b, l, f]``: ``(last, cache, feats)``.
 
     Positions equal slots here (a dense cache); ragged rows simply stop earlier.
     """
     b, width = ids.shape
     chunk = fit_chunk(width, net.kernels.prefill_tokens(b))
 
+    def forward(cache, acc, start, valid, block):
+        tok = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
+        select = jnp.clip(valid - 1, 0, chunk - 1)[:, None]
+        got = apply(net, flat, tok, cache, block, select, features)
+        ends_here = (valid > 0) & (lens <= start + chunk)
+        last = jnp.where(ends_here[:, None], got[0][:, 0], acc[0])
+        if features is None:
+            return got[1], (last,)
+        return got[1], (last, jax.lax.dynamic_update_slice_in_dim(acc[1], got[2], start, axis=1))
+
+    acc = (jnp.zeros((b, net.cfg.vocab_size), jnp.float32),)
+    if features is not None:
+        size = len(features) * net.cfg.hidden_size
+        acc += (jnp.zeros((b, width, size), net.dtype),)
+    cache, acc = chunked(forward, cache, lens, width, chunk, acc)
+    return (acc[0], cache, *acc[1:])
+
+
+def chunked(forward, cache: KVCache, lens: Int[Array, " b"], width: int, chunk: int, acc):
+    """A prompt of ``width`` slots in chunks of ``chunk`` (one ``lax.fori_loop`` body):
+    ``forward(cache, acc, start, valid, block) -> (cache, acc)`` runs the tokens at
+    ``[start, start + chunk)`` (``valid[b]`` of them real) as ``block``; each chunk's valid
+    tokens then join the prefix. Returns the final ``(cache, acc)``."""
+
     def body(c, carry):
-        cache, last = carry
+        cache, acc = carry
         start = c * chunk
         valid = jnp.clip(lens - start, 0, chunk)
-        tok = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
         block = causal_block(cache.length, cache.length, valid, chunk)
-        select = jnp.clip(valid - 1, 0, chunk - 1)[:, None]
-        logits, cache = apply(net, flat, tok, cache, block, select)
-        ends_here = (valid > 0) & (lens <= start + chunk)
-        last = jnp.where(ends_here[:, None], logits[:, 0], last)
+        cache, acc = forward(cache, acc, start, valid, block)
         cache.length = cache.length + valid
-        return cache, last
+        return cache, acc
 
-    last0 = jnp.zeros((b, net.cfg.vocab_size), jnp.float32)
-    cache, last = jax.lax.fori_loop(0, width // chunk, body, (cache, last0))
-    return last, cache
+    return jax.lax.fori_loop(0, width // chunk, body, (cache, acc))

@@ -4,6 +4,13 @@ One small table of logical rules says which dimension of each parameter is split
 axis named ``"tp"`` (Megatron layout: column-parallel q/k/v/gate/up, row-parallel o/down, the
 vocabulary split in the embedding rows and the lm_head columns). Every other parameter is
 replicated, and every other mesh axis replicates the parameters.
+
+A quantized weight (``pallas_kernels.quant``) has the axes of the matrix it stands for on each
+of its arrays: its codes ``[K or K/2, N]`` and its scales and mins ``[K / group, N]`` split
+alike, so a shard holds whole groups with their scales (4-bit codes pack rows within a group, so
+packed rows split at group boundaries too). Where the groups do not split evenly (fewer groups
+than devices: a scale per output channel), K stays whole. A quantized embedding is stored as the
+LM head, ``[D, V]``: the vocabulary is its second axis.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxspec.config import ModelConfig
 from jaxspec.errors import DeviceError
 from jaxspec.model.transformer import Model, param_shapes, with_params
+from pallas_kernels import quant
 
 TP = "tp"
 
@@ -104,21 +112,46 @@ def _layout(cfg: ModelConfig) -> dict:
     return tree
 
 
-def param_partition_specs(cfg: ModelConfig) -> dict:
-    """Nested dict of PartitionSpecs over the mesh axis ``"tp"`` (mesh-independent)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, ndim: partition_spec(tuple(_key(k) for k in p), ndim), _layout(cfg)
-    )
+def quantized_spec(path: tuple, w: quant.QuantizedWeight, degree: int):
+    """The PartitionSpecs of a quantized weight's arrays (a ``QuantizedWeight`` of them)."""
+    names = tuple(str(k) for k in path)
+    if names == ("embed_tokens",):  # stored as the LM head: [D, V]
+        names = ("lm_head", "kernel")
+    spec = partition_spec(names, 2)
+    groups = w.shape[0] // w.group
+    if spec and spec[0] is not None and groups % degree:  # K cannot split at group boundaries
+        spec = PartitionSpec(None, spec[1])
+    return jax.tree.map(lambda _: spec, w)
 
 
-def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Nested dict of NamedShardings for every parameter on ``mesh`` (checked for ``cfg``).
+def param_partition_specs(cfg: ModelConfig, params: dict | None = None, degree: int = 1) -> dict:
+    """Nested dict of PartitionSpecs over the mesh axis ``"tp"`` for the parameters of ``cfg``,
+    or of the nested parameter dict ``params`` (quantized weights' arrays included, laid out for
+    ``degree`` devices)."""
+    if params is None:
+        return jax.tree_util.tree_map_with_path(
+            lambda p, ndim: partition_spec(tuple(_key(k) for k in p), ndim), _layout(cfg)
+        )
+
+    def one(p, x):
+        path = tuple(_key(k) for k in p)
+        if quant.is_quantized(x):
+            return quantized_spec(path, x, degree)
+        return partition_spec(path, len(x.shape))
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=quant.is_quantized)
+
+
+def param_specs(cfg: ModelConfig, mesh: Mesh, params: dict | None = None) -> dict:
+    """Nested dict of NamedShardings for every parameter on ``mesh`` (checked for ``cfg``); with
+    ``params`` (a nested parameter dict, arrays or abstract), for those, quantized weights'
+    arrays included.
 
     Raises DeviceError when the mesh's ``"tp"`` size does not divide the split dimensions.
     """
     check_tp(cfg, tp_degree(mesh))
     mesh = auto_mesh(mesh)
-    specs = param_partition_specs(cfg)
+    specs = param_partition_specs(cfg, params, tp_degree(mesh))
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s),
         specs,
@@ -137,8 +170,8 @@ def place(model: Model, devices) -> tuple[Model, NamedSharding]:
     got = model._cache.get(key)
     if got is None:
         mesh = jax.make_mesh((len(devices),), (TP,), devices=devices, axis_types=(AxisType.Auto,))
-        specs = param_specs(model.config, mesh)
         pure = nnx.to_pure_dict(model.params)
+        specs = param_specs(model.config, mesh, pure)
         state = jax.tree.map(lambda x: x, model.params)
         nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, specs))
         got = model._cache[key] = (with_params(model, state), NamedSharding(mesh, PartitionSpec()))

@@ -30,15 +30,20 @@ from jaxspec.model.layers import (
     MLP,
     Linear,
     RMSNorm,
+    embed_rows,
     init_param,
     matmul,
     mode_of,
+    project,
     rope_tables,
     stream_rows,
     tokens_of,
+    weight_of,
 )
 from jaxspec.prompts import check_token_ids
-from pallas_kernels import fused_linear, rope_attention
+from pallas_kernels import fused_linear, quant, rope_attention
+
+FINAL = -1  # ``features`` index of the final norm's output: the LM head's input
 
 
 class DecoderLayer(nnx.Module):
@@ -53,18 +58,26 @@ class DecoderLayer(nnx.Module):
         mode = mode_of(kernels.fused_linear)
         if mode is None:
             return None
-        attn, mlp = self.self_attn, self.mlp
-        weights = (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...])
-        weights += (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...])
         rows = x.reshape(-1, x.shape[-1])
-        return mode if fused_linear.unsupported_reason(rows, *weights) is None else None
+        if rows.shape[0] > kernels.linear_rows:
+            return None
+        wq, wk, wv, _, wg, wu, _ = self.weights()  # the ones that take the stream's rows
+        return mode if fused_linear.unsupported_reason(rows, wq, wk, wv, wg, wu) is None else None
+
+    def weights(self) -> tuple:
+        """q, k, v, o, gate, up, down: arrays or ``QuantizedWeight``s (the fused kernels take
+        both)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        linears += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return tuple(weight_of(lin.kernel) for lin in linears)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, length, block, kernels):
         h, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, length, block, kernels
+            self.input_layernorm(x, kernels), cos, sin, k_cache, v_cache, length, block, kernels
         )
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), kernels.gemm_rows)
+        x = x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
         return x, k_cache, v_cache
 
     def fused(self, x, pending, cos, sin, k_cache, v_cache, length, block, kernels, mode: str):
@@ -73,7 +86,8 @@ class DecoderLayer(nnx.Module):
         is added, ``pending`` that projection's float32 partials (None before the first layer);
         returns this layer's ``(x, pending, k_cache, v_cache)``."""
         b, t = cos.shape[:2]
-        attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.cfg
+        attn, cfg = self.self_attn, self.self_attn.cfg
+        wq, wk, wv, wo, wg, wu, wd = self.weights()
         bn, bk, warps = kernels.linear_tile
         tiles = dict(interpret=mode == "interpret", bn=bn, bk=bk, num_warps=warps)
         fl = functools.partial(fused_linear.norm_project, **tiles)
@@ -81,14 +95,13 @@ class DecoderLayer(nnx.Module):
             x,
             pending,
             self.input_layernorm.weight[...],
-            (attn.q_proj.kernel[...], attn.k_proj.kernel[...], attn.v_proj.kernel[...]),
+            (wq, wk, wv),
             eps=self.input_layernorm.eps,
         )
         qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
         out, k_cache, v_cache = attn.attend(
             qkv, cos, sin, k_cache, v_cache, length, block, kernels, splits=True
         )
-        wo = attn.o_proj.kernel[...]
         if isinstance(out, rope_attention.Splits):  # o_proj merges the splits as it loads
             o = fused_linear.combine_project(*out, wo, t=t, **tiles)
         else:
@@ -97,10 +110,10 @@ class DecoderLayer(nnx.Module):
             x,
             o,
             self.post_attention_layernorm.weight[...],
-            (mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]),
+            (wg, wu),
             eps=self.post_attention_layernorm.eps,
         )
-        down = fused_linear.silu_project(gate_up, mlp.down_proj.kernel[...], **tiles)
+        down = fused_linear.silu_project(gate_up, wd, **tiles)
         return x, down, k_cache, v_cache
 
 
@@ -123,57 +136,85 @@ class Transformer(nnx.Module):
         block: Block,
         select: Int[Array, "b l"] | None,
         kernels: KernelConfig,
-    ) -> tuple[Float[Array, "b l v"], KVCache]:
+        features: tuple[int, ...] | None = None,
+    ):
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
-        with this block's K/V written. ``cache.length`` is unchanged: the caller commits."""
+        with this block's K/V written. ``cache.length`` is unchanged: the caller commits. With
+        ``features`` (see ``apply``) also the hidden states they name at every block position."""
         b, t = tokens.shape
-        x = self.embed_tokens[...][tokens]
+        x = embed_rows(weight_of(self.embed_tokens), tokens)
         mode = self.layers[0].fused_mode(x, kernels)  # the split-K kernels take this step
         rows = stream_rows(b * t, kernels) if mode is None else None
         if rows is not None:  # the residual stream as padded rows [rows, d]
             x = jnp.pad(x.reshape(b * t, -1), ((0, rows - b * t), (0, 0)))
         cos, sin = rope_tables(self.cfg, block.positions)
-        ks, vs = [], []
+        ks, vs, taps = [], [], {}
         layers = zip(self.layers, cache.k, cache.v, strict=True)
         if mode is not None:  # the split-K projection kernels: rows [b * t, d] and partials
             x, pending = x.reshape(b * t, -1), None
-            for layer, kc, vc in layers:
+            for i, (layer, kc, vc) in enumerate(layers):
                 x, pending, kc, vc = layer.fused(
                     x, pending, cos, sin, kc, vc, cache.length, block, kernels, mode
                 )
                 ks.append(kc)
                 vs.append(vc)
+                if features is not None and i in features:
+                    taps[i] = fused_linear.settle(x, pending)
             x = fused_linear.settle(x, pending)
         else:
-            for layer, kc, vc in layers:
+            for i, (layer, kc, vc) in enumerate(layers):
                 x, kc, vc = layer(x, cos, sin, kc, vc, cache.length, block, kernels)
                 ks.append(kc)
                 vs.append(vc)
+                if features is not None and i in features:
+                    taps[i] = x
         x = tokens_of(x, b, t, -1)
+        cache = KVCache(k=ks, v=vs, length=cache.length)
+        logits = self._logits(x, select, kernels)
+        if features is None:
+            return logits, cache
+        taps = {i: tokens_of(y, b, t, -1) for i, y in taps.items()}
+        taps[FINAL] = self.norm(x, kernels)  # what the LM head reads, at every position
+        return logits, cache, jnp.concatenate([taps[i] for i in features], axis=-1)
+
+    def _logits(self, x, select, kernels: KernelConfig) -> Float[Array, "b l v"]:
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
-        x = self.norm(x)
-        tied = self.lm_head is None
-        head = self.embed_tokens[...] if tied else self.lm_head.kernel[...]
-        # float32 logits straight from the accumulator: rounding them to bf16 made exact top-2
-        # ties common (greedy then depends on the kernel's tie order; seen on the H200)
-        logits = matmul(x, head, kernels.gemm_rows, jnp.float32, w_out_in=tied)
-        return logits, KVCache(k=ks, v=vs, length=cache.length)
+        x = self.norm(x, kernels)
+        table = None if self.lm_head is not None else weight_of(self.embed_tokens)
+        if table is not None and not quant.is_quantized(table) and not kernels.invariant:
+            # tied and dense: contract the embedding's stored axis (``x @ E.T`` made XLA's CPU
+            # backend copy the transposed 113 MB SmolLM2 embedding at every step: LM head 43 ->
+            # 7 ms on 2 cores)
+            return matmul(x, table, kernels.gemm_rows, jnp.float32, w_out_in=True)
+        return project(x, self.head(), kernels, jnp.float32)
+
+    def head(self):
+        """The LM head ``[D, V]`` (float32 logits come straight from its accumulator: rounding
+        them to bf16 made exact top-2 ties common, and greedy then depends on the kernel's tie
+        order; seen on the H200). Tied: the embedding, which a quantized model stores in this
+        orientation already."""
+        if self.lm_head is not None:
+            return weight_of(self.lm_head.kernel)
+        table = weight_of(self.embed_tokens)
+        return table if quant.is_quantized(table) else table.T
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Net:
-    """What a compiled program knows of a model: its NNX graph, config, resolved kernels and
-    the structure of its flat parameter leaves. Static and hashable; the hash is computed once,
+    """What a compiled program knows of a model: its NNX graph, config, resolved kernels, the
+    structure of its flat parameter leaves (quantized weights' formats included) and its compute
+    dtype (of activations and the KV cache). Static and hashable; the hash is computed once,
     since a compile-cache or jit key must not walk the NNX graph on every call."""
 
     graphdef: nnx.GraphDef
     cfg: ModelConfig
     kernels: KernelConfig
     treedef: object  # of the parameter state's leaves (``Model.flat``)
+    dtype: str = "float32"
 
     def __post_init__(self):
-        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef)
+        key = (hash(self.graphdef), self.cfg, self.kernels, self.treedef, self.dtype)
         object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:
@@ -184,10 +225,11 @@ class Net:
             return True
         if not isinstance(other, Net) or self._hash != other._hash:
             return False
-        return (self.cfg, self.kernels, self.treedef) == (
+        return (self.cfg, self.kernels, self.treedef, self.dtype) == (
             other.cfg,
             other.kernels,
             other.treedef,
+            other.dtype,
         ) and self.graphdef == other.graphdef
 
     def params(self, flat):
@@ -195,19 +237,27 @@ class Net:
         return jax.tree.unflatten(self.treedef, flat)
 
     def with_kernels(self, kernels: KernelConfig) -> Net:
-        return Net(self.graphdef, self.cfg, kernels, self.treedef)
+        return Net(self.graphdef, self.cfg, kernels, self.treedef, self.dtype)
 
 
-def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None):
+def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, features=None):
     """Pure forward of the model ``net`` describes, on its flat parameter leaves ``flat``
-    (merged at trace time). Call inside a jit."""
+    (merged at trace time). Call inside a jit. Returns ``(logits, cache)``.
+
+    ``features`` (static): a tuple of layer indices whose hidden states a feature draft reads;
+    then the call returns ``(logits, cache, feats [b, t, len(features) * d])``, the states at
+    every block position concatenated in that order: index i >= 0 is the residual stream after
+    decoder layer i, ``FINAL`` (-1) the final norm's output (what the LM head reads). Only a
+    call that asks traces them; the logits are computed the same way either way."""
     module = nnx.merge(net.graphdef, net.params(flat))
-    return module(tokens, cache, block, select, net.kernels)
+    if features is None:
+        return module(tokens, cache, block, select, net.kernels)
+    return module(tokens, cache, block, select, net.kernels, tuple(features))
 
 
 def embed(net: Net, flat, tokens):
     """The token embeddings ``[..., d]`` (trace time)."""
-    return net.params(flat)["embed_tokens"][...][tokens]
+    return embed_rows(weight_of(net.params(flat)["embed_tokens"]), tokens)
 
 
 class Layout(tuple):
@@ -249,9 +299,11 @@ def weights_of(params) -> Weights:
 
 
 @dataclasses.dataclass(eq=False)
-class Model:
-    """A loaded model: static config, NNX graphdef, parameter state, optional tokenizer, and the
-    ``KernelConfig`` it runs with unless a call names another (None: the defaults)."""
+class Network:
+    """A loaded network: static config, NNX graphdef, parameter state, optional tokenizer, and
+    the ``KernelConfig`` it runs with unless a call names another (None: the defaults); its
+    flat weights and ``Net``s, derived once. A ``Model`` (a decoder that runs on its own) or a
+    feature draft's head (``model.feature_head.FeatureModel``, which reads a target's states)."""
 
     config: ModelConfig
     graphdef: nnx.GraphDef
@@ -263,7 +315,9 @@ class Model:
 
     @property
     def dtype(self):
-        return jax.tree.leaves(self.params)[0].dtype
+        """The compute dtype (activations, KV cache): the final norm's, which is never
+        quantized."""
+        return weight_of(self.params["norm"]["weight"]).dtype
 
     @property
     def weights(self) -> Weights:
@@ -271,7 +325,8 @@ class Model:
         leaves: an NNX State costs milliseconds to flatten at every call)."""
         got = self._cache.get("weights")
         if got is None or got[0] is not self.params:
-            self._cache.clear()
+            if got is not None:  # new parameter arrays: what was derived from the old goes
+                self._cache.clear()
             got = self._cache["weights"] = (self.params, weights_of(self.params))
         return got[1]
 
@@ -293,8 +348,15 @@ class Model:
         net = self._cache.get(key)
         if net is None:
             resolved = want.resolve(self.config, sharded=spans)
-            net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef)
+            dtype = jnp.dtype(self.dtype).name
+            net = self._cache[key] = Net(self.graphdef, self.config, resolved, w.treedef, dtype)
         return net
+
+
+@dataclasses.dataclass(eq=False)
+class Model(Network):
+    """A decoder-only language model (``Transformer``): what ``generate`` takes as the target
+    and as a draft."""
 
     def logits(self, tokens) -> Float[Array, "b t v"]:
         """Full causal forward without a persistent cache: ``[B, T]`` ids -> ``[B, T, V]``."""
@@ -302,24 +364,36 @@ class Model:
         if tokens.ndim == 1:
             tokens = tokens[None]
         check_token_ids(tokens, self.config)
-        return _full_logits(self.net(), self.flat, tokens)
+        return _full_logits(self, self.net(), tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _full_logits(net: Net, flat, tokens):
-    return full_logits(net, flat, tokens)
+def _full_logits(model: Model, net: Net, tokens):
+    """``full_logits`` compiled once per (net, shape), kept with the model."""
+    key = ("logits", net, tokens.shape)
+    exe = model._cache.get(key)
+    if exe is None:
+        lowered = jax.jit(full_logits, static_argnums=0).lower(net, model.flat, tokens)
+        exe = lowered.compile(compiler_options=net.kernels.compiler_options())
+        model._cache[key] = exe
+    return exe(model.flat, tokens)
 
 
-def full_logits(net: Net, flat, tokens):
+def full_logits(net: Net, flat, tokens, features=None):
     """Full causal forward ``[B, T]`` -> float32 logits ``[B, T, V]`` with a throwaway cache (the
-    same call every engine makes); a pure function to use inside a jit."""
+    same call every engine makes); a pure function to use inside a jit. With ``features``
+    (``apply``'s), ``(logits, states [B, T, f])``."""
     b, t = tokens.shape
-    dtype = flat[0].dtype
-    cache = init_cache(net.cfg, b, t, dtype)
+    cache, block = whole_block(net.cfg, b, t, net.dtype)
+    logits, _, *feats = apply(net, flat, tokens, cache, block, None, features)
+    return logits if features is None else (logits, feats[0])
+
+
+def whole_block(cfg: ModelConfig, b: int, t: int, dtype) -> tuple[KVCache, Block]:
+    """A throwaway cache of ``t`` slots and the causal block of ``t`` tokens from position 0:
+    a whole sequence in one forward."""
     zeros = jnp.zeros((b,), jnp.int32)
     block = causal_block(zeros, zeros, jnp.full((b,), t, jnp.int32), t)
-    logits, _ = apply(net, flat, tokens, cache, block)
-    return logits
+    return init_cache(cfg, b, t, dtype), block
 
 
 def param_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:

@@ -2,7 +2,10 @@
 
     state = draft.init(params, prefill)            # after the target's prefill
     tokens, q, state = draft.propose(params, state, key, gamma, sampling)
-    state = draft.commit(state, tokens, n_accepted, next_token)
+    state = draft.commit(state, tokens, n_accepted, next_token, feats)
+
+``feats``: the target's states at the verify block when the draft has ``reads`` (a feature
+draft, ``spec.feature_drafts``), else None.
 
 ``q[b, i]`` is the processed distribution the i-th token was drawn from (one-hot when greedy or
 deterministic), which the lossless acceptance rule needs. Kinds:
@@ -17,6 +20,8 @@ deterministic), which the lossless acceptance rule needs. Kinds:
   positions SnapKV selects (jaxspec.spec.snapkv); with the target's weights, ``"self-snapkv"``.
 * ``NgramDraft(n)``: prompt lookup: the tokens that followed the latest earlier occurrence of the
   last n-gram in the sequence (no model, deterministic).
+* ``feature_drafts.FeatureDraft``: an EAGLE head over the target's hidden states (a
+  ``FeatureModel``, from ``jaxspec.load_draft`` of a ``--kind feature`` distill).
 
 Each model draft keeps up to two *pending* tokens (emitted but not yet in its cache): the
 target's next token, plus the last draft token when the whole block was accepted. The first
@@ -29,15 +34,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from jaxspec.errors import DraftError, OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, commit_ring, init_cache
 from jaxspec.model.prefill import prefill
-from jaxspec.model.transformer import Model, Net, apply
+from jaxspec.model.transformer import Model, Net, Network, apply
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.spec import snapkv
+from jaxspec.spec.feature_drafts import FeatureDraft
 from jaxspec.spec.sampling import Sampling, probs, sample
 
 
@@ -50,6 +57,7 @@ class Prefill:
     target_cache: KVCache | None  # the target's cache with the prompt (None: on another mesh)
     capacity: int = dataclasses.field(metadata=dict(static=True))  # prompt width + new + room
     room: int = dataclasses.field(metadata=dict(static=True))  # widest block an engine uses
+    features: Float[Array, "b l f"] | None = None  # the target's prompt states a draft reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +100,7 @@ class ModelDraft:
     net: Net
     sparse: Streaming | None = None
     reuse_target_cache: bool = False  # self-speculation: the prompt KV is the target's
+    reads = None  # the target states a draft takes (feature drafts); a model reads none
 
     def init(self, params, pre: Prefill, first_token: Int[Array, " b"]) -> ModelDraftState:
         b = pre.ids.shape[0]
@@ -123,7 +132,7 @@ class ModelDraft:
             logits, cache = apply(self.net, params, toks[-1][:, None], cache, blk)
         return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
 
-    def commit(self, s: ModelDraftState, tokens, n_acc, next_token) -> ModelDraftState:
+    def commit(self, s: ModelDraftState, tokens, n_acc, next_token, feats=None):
         gamma = tokens.shape[1]
         has_kv = jnp.minimum(n_acc, gamma - 1)  # draft tokens whose KV the draft computed
         count = s.npend + has_kv
@@ -166,7 +175,7 @@ def prompt_cache(draft, params, pre: Prefill, *, room: int) -> KVCache:
         dense = pre.target_cache
     else:
         b, width = pre.ids.shape
-        cache = init_cache(draft.net.cfg, b, width, params[0].dtype)
+        cache = init_cache(draft.net.cfg, b, width, draft.net.dtype)
         _, dense = prefill(draft.net, params, cache, pre.ids, pre.lens)
     sp = draft.sparse
     if isinstance(sp, SnapKV):
@@ -220,6 +229,7 @@ class NgramDraft:
 
     n: int = 3
     vocab: int = 0
+    reads = None
 
     def init(self, params, pre: Prefill, first_token) -> NgramState:
         b, width = pre.ids.shape
@@ -245,7 +255,7 @@ class NgramDraft:
         q = jax.nn.one_hot(toks, self.vocab, dtype=jnp.float32)
         return toks, q, s
 
-    def commit(self, s: NgramState, tokens, n_acc, next_token) -> NgramState:
+    def commit(self, s: NgramState, tokens, n_acc, next_token, feats=None) -> NgramState:
         b, gamma = tokens.shape
         i = jnp.arange(gamma + 1)[None, :]
         new = jnp.concatenate([tokens, next_token[:, None]], 1)
@@ -293,10 +303,21 @@ def resolve(
     if draft is None:
         raise DraftError(
             f"method={method!r} needs a draft: pass a jaxspec.Model with the target's vocabulary, "
-            f"or one of {', '.join(repr(k) for k in DRAFT_KINDS)}."
+            f"a feature draft (jaxspec.load_draft), or one of "
+            f"{', '.join(repr(k) for k in DRAFT_KINDS)}."
         )
     if sparse not in (None, "streaming", "snapkv"):
         raise OptionError(f"sparse must be 'streaming' or 'snapkv', got {sparse!r}.")
+    kernels = _draft_kernels(kernels, draft if isinstance(draft, Network) else target)
+    if isinstance(draft, FeatureModel):
+        check_compatible(target, draft)
+        if sparse is not None:
+            raise OptionError(
+                f"sparse={sparse!r}: a feature draft keeps a dense cache (its one layer reads a "
+                "small share of what the target reads); leave sparse unset (or 'dense')."
+            )
+        net = draft.net(kernels, sharded=sharded)
+        return FeatureDraft(net, draft.reads), draft.weights
     if isinstance(draft, Model):
         check_compatible(target, draft)
         sp = None
@@ -322,8 +343,21 @@ def resolve(
     )
 
 
-def check_compatible(target: Model, draft: Model) -> None:
-    """A draft model must share the target's vocabulary and tokenizer (``DraftError``)."""
+def _draft_kernels(kernels: KernelConfig | None, model: Network) -> KernelConfig:
+    """The draft's kernels: the call's (else its model's), without ``invariant``: exact numerics
+    matter for the target's tokens only; a draft changes how many are accepted, never which."""
+    k = kernels or model.kernels or KernelConfig()
+    return dataclasses.replace(k, invariant=False) if k.invariant else k
+
+
+def check_compatible(target: Model, draft: Network) -> None:
+    """A draft model must share the target's vocabulary and tokenizer, a feature draft also its
+    hidden size (``DraftError``)."""
+    if isinstance(draft, FeatureModel) and draft.config.hidden_size != target.config.hidden_size:
+        raise DraftError(
+            f"the feature draft reads states of size {draft.config.hidden_size} and the target's "
+            f"are {target.config.hidden_size}: it was distilled for another target."
+        )
     if draft.config.vocab_size != target.config.vocab_size:
         raise DraftError(
             f"the draft's vocabulary has {draft.config.vocab_size} tokens and the target's "

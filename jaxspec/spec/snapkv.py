@@ -32,7 +32,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.model.kv_cache import KVCache, causal_block
-from jaxspec.model.layers import rope_tables
+from jaxspec.model.layers import embed_rows, rope_tables, weight_of
 from jaxspec.model.transformer import Net
 from pallas_kernels.reference import apply_rope
 
@@ -58,13 +58,13 @@ def window_queries(
     block = causal_block(start, start, n, obs)
     module = nnx.merge(net.graphdef, net.params(flat))
     cfg = module.cfg
-    x = module.embed_tokens[...][tok]
+    x = embed_rows(weight_of(module.embed_tokens), tok)
     cos, sin = rope_tables(cfg, block.positions)
     b = ids.shape[0]
     qs = []
     for layer, kc, vc in zip(module.layers, dense.k, dense.v, strict=True):
         att = layer.self_attn
-        q = att.q_proj(layer.input_layernorm(x), net.kernels.gemm_rows).reshape(
+        q = att.q_proj(layer.input_layernorm(x, net.kernels), net.kernels).reshape(
             b, obs, cfg.num_heads, cfg.head_dim
         )
         qs.append(apply_rope(q, cos, sin))

@@ -2,7 +2,10 @@
 
     state = draft.init(params, prefill, first_token)
     state = draft.grow(params, state, expansions=d, width=w, branch=k)   # state.tree grows
-    state = draft.commit(state, verify_block, path, n_accepted, bonus)  # re-root
+    state = draft.commit(state, verify_block, path, n_accepted, bonus, feats)  # re-root
+
+(``feats``: the target's states at the verify block for a draft with ``reads``, else None;
+``spec.feature_drafts.FeatureTreeDraft`` is the tree form of a feature draft.)
 
 Growth: each expansion runs the draft on the ``w`` best unexpanded leaves (score = sum of draft
 log-probs from the root) and adds each leaf's top-``k`` children. The tree is the draft's own
@@ -31,6 +34,7 @@ from jaxspec.spec import drafts
 from jaxspec.spec import tree as T
 from jaxspec.spec.acceptance import top_children
 from jaxspec.spec.drafts import NgramDraft, NgramState, Prefill, Streaming, prompt_cache
+from jaxspec.spec.feature_drafts import FeatureDraft, FeatureTreeDraft
 from jaxspec.spec.sampling import Sampling
 
 
@@ -53,6 +57,7 @@ class ModelTreeDraft:
     capacity: int  # tree nodes, root included
     sparse: Streaming | None = None
     reuse_target_cache: bool = False
+    reads = None  # the target states a draft takes (feature drafts); a model reads none
 
     def init(self, params, pre: Prefill, first_token) -> ModelTreeState:
         b = pre.ids.shape[0]
@@ -112,7 +117,7 @@ class ModelTreeDraft:
             recomputed=recomputed,
         )
 
-    def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> ModelTreeState:
+    def commit(self, s: ModelTreeState, tb: T.TreeBlock, path, n_acc, bonus, feats=None):
         b = n_acc.shape[0]
         rows = jnp.arange(b)
         nodes = T.path_nodes(tb, path)
@@ -174,6 +179,7 @@ class NgramTreeDraft:
 
     ngram: NgramDraft
     capacity: int
+    reads = None
 
     def init(self, params, pre: Prefill, first_token) -> NgramTreeState:
         return NgramTreeState(
@@ -190,7 +196,7 @@ class NgramTreeDraft:
             parent = new[:, :, 0]
         return dataclasses.replace(s, tree=tree)
 
-    def commit(self, s: NgramTreeState, tb: T.TreeBlock, path, n_acc, bonus) -> NgramTreeState:
+    def commit(self, s: NgramTreeState, tb: T.TreeBlock, path, n_acc, bonus, feats=None):
         chain = s.tree.token[:, 1:]  # nodes 1.. are the looked-up path, in order
         lookup = self.ngram.commit(s.lookup, chain, n_acc, bonus)
         return NgramTreeState(lookup, T.new_tree(bonus, self.capacity))
@@ -202,15 +208,18 @@ class NgramTreeDraft:
         return NgramTreeState(self.ngram.keep_alive(s.lookup, extra), s.tree)
 
 
-def resolve(target, draft, *, capacity: int, kernels=None, sharded=None, **budget):
+def resolve(target, draft, *, capacity: int, depth: int, kernels=None, sharded=None, **budget):
     """``draft=`` -> (tree draft, params), by the chain drafts' resolution and checks."""
     d, params = drafts.resolve(target, draft, "tree", kernels=kernels, sharded=sharded, **budget)
-    return tree_form(d, capacity), params
+    return tree_form(d, capacity, depth), params
 
 
-def tree_form(d, capacity: int):
+def tree_form(d, capacity: int, depth: int):
     """The tree-growing form of a resolved chain draft: the same model and cache kind (or the
-    same prompt lookup), trees of ``capacity`` nodes."""
+    same prompt lookup, or feature head), trees of ``capacity`` nodes grown by at most
+    ``depth`` expansions."""
     if isinstance(d, NgramDraft):
         return NgramTreeDraft(d, capacity)
+    if isinstance(d, FeatureDraft):
+        return FeatureTreeDraft(d.net, d.reads, capacity, depth)
     return ModelTreeDraft(d.net, capacity, d.sparse, d.reuse_target_cache)

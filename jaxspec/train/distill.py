@@ -48,6 +48,7 @@ import dataclasses
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -74,6 +75,7 @@ from jaxspec.io.draft_checkpoint import (
     fingerprint,
     load_draft,
 )
+from jaxspec.model.feature_head import abstract_head
 from jaxspec.model.transformer import Model, Net, abstract_model
 from jaxspec.train.data import (
     HOLDOUT,
@@ -84,6 +86,7 @@ from jaxspec.train.data import (
     _windows,
     generate_data,
 )
+from jaxspec.train.feature import feature_step, head_shapes, init_head
 from jaxspec.train.recipe import (
     DATA_FIELDS,
     RECIPE_FIELDS,
@@ -96,6 +99,27 @@ from jaxspec.train.recipe import (
     init_draft_shapes,
     train_step,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What differs between the draft kinds a run trains: the trainable weights' init and
+    shapes, the network's template, the jitted step, and the recipe defaults of the kind."""
+
+    init: Callable  # (target, recipe) -> float32 pure dict of the trainable weights
+    shapes: Callable  # (target, recipe) -> zeros of their shapes
+    graph: Callable  # (config, dtype) -> (graphdef, abstract params)
+    step: Callable  # the jitted optimizer step, as recipe.train_step
+    defaults: dict  # recipe values of this kind where the caller gives none
+
+
+KINDS = {
+    "model": Kind(init_draft, init_draft_shapes, abstract_model, train_step, {}),
+    # EAGLE-1: one decoder layer over the target's states (train.feature)
+    "feature": Kind(
+        init_head, head_shapes, abstract_head, feature_step, {"layers": 1, "init": "random"}
+    ),
+}
 
 
 @dataclasses.dataclass
@@ -204,7 +228,7 @@ def distill(
     if stopped == "until_step":
         return DistillResult(out / "draft", st.step, st.total, history, meta, stopped)
     path = _write_draft(
-        out / "draft", dcfg, st.train, store_dtype, fp,
+        out / "draft", dcfg, st.train, store_dtype, fp, kind=recipe.kind,
         training={
             "recipe": dataclasses.asdict(recipe), "data": meta, "steps": st.step,
             "total_steps": st.total, "tokens_seen": st.step * recipe.batch * recipe.seq_len,
@@ -261,7 +285,8 @@ def _run_description(target, out, resume, options, command):
                 f"{out} already holds a distill run; pass resume=True (CLI: --resume) to "
                 "continue it, or choose another --out."
             )
-        recipe, spec = Recipe(**given_recipe), DataSpec(**given_data)
+        defaults = KINDS[given_recipe.get("kind", "model")].defaults
+        recipe, spec = Recipe(**{**defaults, **given_recipe}), DataSpec(**given_data)
         _check_options(recipe, spec, target)
         out.mkdir(parents=True, exist_ok=True)
         run = {"recipe": dataclasses.asdict(recipe), "data": _spec_json(spec), "target": fp,
@@ -322,9 +347,9 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
     opt = _optimizer(Optim.of(recipe))
     latest = mngr.latest_step() if resume else None
     if latest is None:
-        train = init_draft(target, recipe)
+        train = KINDS[recipe.kind].init(target, recipe)
         return _State(train, opt.init(train), 0, 0, recipe.steps, fixed_total)
-    train0 = init_draft_shapes(target, recipe)
+    train0 = KINDS[recipe.kind].shapes(target, recipe)
     opt0 = opt.init(train0)
     try:
         st = mngr.restore(latest, args=ocp.args.StandardRestore(_state_tree(train0, opt0, 0, 0, 0)))
@@ -354,9 +379,13 @@ def _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step, save_e
     deadline; checkpoints every ``save_every`` steps and at the end. Returns (history, why it
     stopped early: "budget", "until_step" or None)."""
     shared = _shared_of(target)
-    dgraph = abstract_model(dcfg, target.dtype)[0]
+    kind = KINDS[recipe.kind]
+    dgraph = kind.graph(dcfg, target.dtype)[0]
     dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), st.train), shared)
-    dnet = Net(dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate))
+    dnet = Net(
+        dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate),
+        jnp.dtype(target.dtype).name,
+    )  # fmt: skip
     static = dict(tnet=target.net(), dnet=dnet, recipe=Optim.of(recipe))
     measure = max(MIN_MEASURED_STEPS, recipe.warmup)
     tokens_per_step = recipe.batch * recipe.seq_len
@@ -377,7 +406,7 @@ def _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step, save_e
                 stopped = "budget"
                 break
             tokens = jnp.asarray(_batch(windows, st.position, recipe.batch, recipe.seed))
-            st.train, st.opt_state, m = train_step(
+            st.train, st.opt_state, m = kind.step(
                 st.train, st.opt_state, shared, target.flat, tokens, st.step, st.total, **static
             )
             m = {k: float(v) for k, v in m.items()}  # waits for the step

@@ -36,6 +36,10 @@ class Recipe:
     clip: float = 1.0
     ce_weight: float = 0.25
     seed: int = 0
+    kind: str = "model"  # "model": a small decoder; "feature": an EAGLE-1 head (train.feature)
+    feature_weight: float = 1.0  # feature kind: the state regression's weight (EAGLE-1's)
+    token_weight: float = 0.1  # feature kind: the token loss's weight (EAGLE-1's)
+    noise: float = 0.2  # feature kind: width of the uniform noise on the input states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Optim:
     weight_decay: float
     clip: float
     ce_weight: float
+    feature_weight: float
+    token_weight: float
+    noise: float
 
     @classmethod
     def of(cls, recipe: Recipe) -> Optim:
@@ -55,6 +62,7 @@ class Optim:
 
 
 INITS = ("copy", "copy-spread", "random")
+KINDS = ("model", "feature")
 RECIPE_FIELDS = {f.name for f in dataclasses.fields(Recipe)}
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataSpec)}
 
@@ -79,9 +87,17 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
     pos_float("min_lr_ratio", recipe.min_lr_ratio, strict=False, hi=1.0)
     pos_float("weight_decay", recipe.weight_decay, strict=False)
     pos_float("clip", recipe.clip)
-    pos_float("ce_weight", recipe.ce_weight, strict=False)
+    for name in ("ce_weight", "feature_weight", "token_weight", "noise"):
+        pos_float(name, getattr(recipe, name), strict=False)
+    if recipe.kind not in KINDS:
+        raise OptionError(f"kind must be one of {', '.join(KINDS)}, got {recipe.kind!r}.")
     if recipe.init not in INITS:
         raise OptionError(f"init must be one of {', '.join(INITS)}, got {recipe.init!r}.")
+    if recipe.kind == "feature" and recipe.init != "random":
+        raise OptionError(
+            f"init={recipe.init!r}: a feature head starts from random weights (EAGLE-1's); "
+            "pass init='random' or leave it unset."
+        )
     cfg = target.config
     if recipe.seq_len + 1 > cfg.max_position_embeddings:
         raise OptionError(
@@ -202,7 +218,7 @@ def losses(teacher_logits, draft_logits, ce_weight: float):
 def train_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dnet, recipe):
     """One optimizer step on ``tokens`` [B, T]: teacher forward, draft forward and backward."""
     teacher = jax.lax.stop_gradient(full_logits(tnet, tflat, tokens))
-    dtype = tflat[0].dtype
+    dtype = tnet.dtype
 
     def loss_fn(w):
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
@@ -211,12 +227,17 @@ def train_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dn
         return loss.mean(), {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean()}
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(train)
+    train, opt_state, lr = apply_grads(train, opt_state, grads, step, total, recipe)
+    return train, opt_state, {"loss": loss, "lr": lr, **aux}
+
+
+def apply_grads(train, opt_state, grads, step, total, recipe: Optim):
+    """One AdamW update at the scheduled learning rate: ``(train, opt_state, lr)``."""
     clip_state, adam_state = opt_state
     lr = lr_at(step, total, recipe)
     adam_state = adam_state._replace(hyperparams={**adam_state.hyperparams, "learning_rate": lr})
     updates, opt_state = _optimizer(recipe).update(grads, (clip_state, adam_state), train)
-    train = optax.apply_updates(train, updates)
-    return train, opt_state, {"loss": loss, "lr": lr, **aux}
+    return optax.apply_updates(train, updates), opt_state, lr
 
 
 def init_draft_shapes(target: Model, recipe: Recipe) -> dict:

@@ -45,6 +45,7 @@ from jaxspec.engines.swiftspec import device, threads, workers
 from jaxspec.engines.tree import TreeShape
 from jaxspec.errors import DeviceError, DraftError, OptionError, WorkerError
 from jaxspec.model import sharding
+from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.transformer import Model
 from jaxspec.spec import tree_drafts
 
@@ -156,8 +157,22 @@ def split_devices(target_cfg, draft_cfg, x: int | None, y: int | None) -> tuple[
     return devices[:x], devices[x : x + y]
 
 
+# Why a feature draft (EAGLE) cannot serve here: it drafts from the target's hidden states at the
+# last verified tokens, and SwiftSpec's draft grows the next tree while the target is still
+# verifying the current one, so those states arrive only after the tree is grown.
+FEATURE_DRAFT = (
+    "method='swiftspec' drafts ahead of the verify, so a feature draft would never have the "
+    "target's newest hidden states (they come with the verdict, after the next tree is grown); "
+    "use method='tree' or 'chain' with a feature draft, or swiftspec with a draft Model."
+)
+
+
 def draft_model(target: Model, draft) -> Model:
-    """The model the draft worker runs: a draft Model, or the target's weights for a self-draft."""
+    """The model the draft worker runs: a draft Model, or the target's weights for a self-draft.
+    A feature draft is refused: it grows the tree on the target's newest states, which here are
+    always a verify behind (see ``FEATURE_DRAFT``)."""
+    if isinstance(draft, FeatureModel):
+        raise DraftError(FEATURE_DRAFT)
     if draft == "ngram":
         raise DraftError(
             "method='swiftspec' needs a draft model (or 'self-streaming'); "
@@ -194,17 +209,20 @@ class SwiftSpec(base.Engine):
         pt, on_t = sharding.place(target, tdev)
         pd, on_d = sharding.place(dm, ddev)
         td, _ = tree_drafts.resolve(
-            target, draft, capacity=shape.capacity, kernels=kernels, sharded=len(ddev) > 1,
-            **options.draft_kwargs(),
+            target, draft, capacity=shape.capacity, depth=shape.depth, kernels=kernels,
+            sharded=len(ddev) > 1, **options.draft_kwargs(),
         )  # fmt: skip
         td = dataclasses.replace(td, reuse_target_cache=False)  # the target's cache is on mesh A
         wp = workers.Program(
             target=pt.net(kernels, sharded=len(tdev) > 1), draft=td, shape=shape, req=req,
             capacity=req.width + req.max_new + shape.capacity + 2, d=d, refill=options.refill,
         )  # fmt: skip
-        ids = np.zeros((req.batch, req.width), np.int32)
-        lens = np.ones((req.batch,), np.int32)
-        wp = workers.with_layouts(wp, pt.flat, pd.flat, ids, lens)
+        key = ("swiftspec-layouts", wp, pd.layout)  # tracing the workers' shapes costs ~20 ms
+        if key not in pt._cache:
+            ids = np.zeros((req.batch, req.width), np.int32)
+            lens = np.ones((req.batch,), np.int32)
+            pt._cache[key] = workers.with_layouts(wp, pt.flat, pd.flat, ids, lens)
+        wp = pt._cache[key]
         loop = options.loop
         if loop == "device" and (len(tdev), len(ddev)) != (1, 1):
             raise OptionError(

@@ -1,0 +1,123 @@
+"""Bit-exact bf16: rows of speculative output that part from autoregressive output, and what the
+invariant numerics (``KernelConfig(invariant=True)``) cost.
+
+    python benchmarks/bench_bit_exact.py [--model smollm2|1b] [--prompts 16] [--new 64]
+        [--batches 1,16] [--out benchmarks/results/bit_exact.json]
+
+A ragged set of prompts (HumanEval prompts, OpenAI, MIT licence, cut to 16 lengths from 24 to
+600 tokens) decoded greedily in bf16, ``--new`` tokens each, by autoregressive decoding and by
+chain, tree and magicdec with each draft kind, in the default numerics and in the invariant ones.
+Batch 1 runs each prompt alone (the first ``--b1-prompts``), batch 16 all at once. A row
+*parts* when its tokens differ from the autoregressive tokens of the same numerics. Tokens/s is
+the engines' own (``stats.tokens_per_s``), summed over the calls. ``smollm2`` is the real
+SmolLM2-135M-Instruct with its shipped draft (``--draft``); ``1b`` a random-weights
+Llama-3.2-1B shape with a 2-layer truncation as its draft (partings there are about numerics
+only: random logits have many near-ties). Every JSON row is ``{"method", "draft", "batch",
+"model", "parted_rows", "tok_per_s_invariant", "tok_per_s_default"}`` plus details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec
+from benchmarks.common import humaneval_prompts, metadata, write
+from benchmarks.shapes import LLAMA32_1B
+from jaxspec.io.convert import load
+from jaxspec.io.default_model import default_checkpoint
+from jaxspec.io.draft_checkpoint import SHIPPED, load_draft
+from jaxspec.model.transformer import truncate
+
+LENGTHS = (24, 40, 57, 80, 96, 120, 150, 180, 220, 260, 300, 350, 400, 460, 520, 600)
+RUNS = (  # method, draft kind, options
+    ("chain", "ngram", {"gamma": 8}),
+    ("chain", "model", {"gamma": 4}),
+    ("tree", "model", {}),
+    ("magicdec", "self-streaming", {"gamma": 3, "budget": 256}),
+    ("magicdec", "model", {"gamma": 3, "budget": 256}),
+)
+
+
+def prompts_for(model, n: int) -> list[list[int]]:
+    if model.tokenizer is not None:
+        ids = model.tokenizer.encode("\n".join(humaneval_prompts(40)))
+    else:
+        ids = np.random.RandomState(0).randint(4, model.config.vocab_size, 4096).tolist()
+    return [ids[i * 37 : i * 37 + LENGTHS[i % len(LENGTHS)]] for i in range(n)]
+
+
+def decode(target, groups, new, kernels, **kw):
+    """Tokens of every prompt and tokens/s over the calls."""
+    tokens, made, wall = [], 0, 0.0
+    for g in groups:
+        jaxspec.generate(target, g, max_new_tokens=new, kernels=kernels, **kw)  # compile
+        r = jaxspec.generate(target, g, max_new_tokens=new, kernels=kernels, **kw)
+        tokens += r.tokens
+        made += r.stats["new_tokens"]
+        wall += r.stats["wall_s"]
+    return tokens, made / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("smollm2", "1b"), default="smollm2")
+    ap.add_argument("--draft", default=str(SHIPPED))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--b1-prompts", type=int, default=4)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    if args.model == "smollm2":
+        target = load(default_checkpoint(), dtype=dtype)
+        small = load_draft(args.draft, target)
+    else:
+        target = jaxspec.new_model(LLAMA32_1B, seed=0, dtype=dtype)
+        small = truncate(target, 2)
+    target.kernels = jaxspec.KernelConfig.from_env()
+    invariant = jaxspec.KernelConfig(invariant=True)
+    prompts = prompts_for(target, args.prompts)
+    payload = {**metadata(), "model": args.model, "dtype": str(dtype), "new_tokens": args.new,
+               "prompt_lengths": [len(p) for p in prompts], "rows": []}  # fmt: skip
+    for batch in [int(b) for b in args.batches.split(",") if b]:
+        groups = [prompts] if batch > 1 else [[p] for p in prompts[: args.b1_prompts]]
+        ref = {k: decode(target, groups, args.new, k)[0] for k in (None, invariant)}
+        for method, kind, opts in RUNS:
+            draft = small if kind == "model" else kind
+            t0 = time.perf_counter()
+            got = {
+                k: decode(target, groups, args.new, k, method=method, draft=draft, **opts)
+                for k in (None, invariant)
+            }
+            row = {
+                "method": method,
+                "draft": kind,
+                "batch": batch,
+                "model": args.model,
+                "parted_rows": sum(
+                    a != b for a, b in zip(got[invariant][0], ref[invariant], strict=True)
+                ),  # fmt: skip
+                "parted_rows_default": sum(
+                    a != b for a, b in zip(got[None][0], ref[None], strict=True)
+                ),  # fmt: skip
+                "rows": len(ref[None]),
+                "tok_per_s_invariant": round(got[invariant][1], 1),
+                "tok_per_s_default": round(got[None][1], 1),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+            row["invariant_over_default"] = round(
+                row["tok_per_s_invariant"] / row["tok_per_s_default"], 3
+            )
+            payload["rows"].append(row)
+            print(row, flush=True)
+            write("bit_exact.json", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Quantized projections for decode and verify steps: ``x @ w`` for a ``QuantizedWeight`` ``w``,
+its codes dequantized inside the kernel (HBM -> registers; no float copy of the weight is ever
+written), for steps of at most ``MAX_ROWS`` rows. Prefill and large batches take the XLA path
+(``pallas_kernels.quant.dequantize`` then a GEMM, which XLA fuses as it can).
+
+``qmatmul(x, w)``: program ``(j, s)`` of the grid ``(column tiles, K splits)`` walks its split's
+K rows in tiles of ``bk`` (a loop Triton pipelines over ``num_stages``): it loads the tile's
+codes ``[bk, bn]`` (4 bits: ``[bk/2, bn]`` bytes) and their scales, dequantizes them in float32,
+rounds to ``x``'s dtype, and multiplies them with the rows' activations in float32. It stores
+partial sum ``s``: ``[S, M, N]`` float32, which the caller sums (``S = 1``: nothing to sum).
+
+A 4-bit tile gives two float tiles, the low and the high nibbles, each of which multiplies the
+activations of its own rows of K (``quant.low_row``): two dots of ``bk/2``, no shuffle of the
+codes in registers.
+
+``weight_tiles``, ``load_cols`` and ``tile_dot`` are shared with ``fused_linear``: its split-K
+projection kernels take quantized weights the same way, so a small model's layer stays four
+projection kernels.
+
+Numerics: the dequantized tile is ``quant.dequantize``'s to the bit (the same float32
+operations), so only the order of the sums differs from dequantize-then-matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float
+
+from pallas_kernels import quant
+from pallas_kernels.quant import QuantizedWeight
+
+MAX_ROWS = 16  # more rows: a GEMM is compute bound, the XLA path wins
+DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
+BN, BK, NUM_WARPS, NUM_STAGES = 64, 256, 4, 3
+TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A weight as a kernel sees it: its refs and its static format (``bits`` None: dense)."""
+
+    refs: tuple
+    bits: int | None = None
+    group: int = 0
+
+
+def operands(w) -> tuple[tuple, tuple]:
+    """A weight (dense array or ``QuantizedWeight``) as the kernel's arrays and its static spec
+    ``(bits, group, has_mins)``; ``regroup`` rebuilds the ``Weight`` inside the kernel."""
+    if not quant.is_quantized(w):
+        return (w,), (None, 0, False)
+    arrays = (w.values, w.scales) + (() if w.mins is None else (w.mins,))
+    return arrays, (w.bits, w.group, w.mins is not None)
+
+
+def regroup(refs, specs) -> list[Weight]:
+    """The kernel's weight refs (flat, in ``operands`` order) as ``Weight``s."""
+    out, i = [], 0
+    for bits, group, has_mins in specs:
+        n = 1 if bits is None else 2 + has_mins
+        out.append(Weight(tuple(refs[i : i + n]), bits, group))
+        i += n
+    return out
+
+
+def compute_dtype(w):
+    return jnp.dtype(w.dtype)
+
+
+def load_cols(ref, rows: int, m: int, cols, limit: int, *lead):
+    """``ref[*lead, :rows, cols]`` in float32; rows past ``m`` and columns past ``limit`` read as
+    zero. ``cols``: ``(start, width)`` (contiguous) or a vector of column indices (a gather)."""
+    r = jnp.arange(rows)
+    if isinstance(cols, tuple):
+        c0, width = cols
+        ok = (r < m)[:, None] & ((c0 + jnp.arange(width)) < limit)[None, :]
+        idx = (*(jnp.int32(i) for i in lead), pl.ds(0, rows), pl.ds(c0, width))
+        return plgpu.load(ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
+    shape = (rows, cols.shape[0])
+    ok = (r < m)[:, None] & (cols < limit)[None, :]
+    rr = jnp.broadcast_to(r[:, None], shape)
+    cc = jnp.broadcast_to(jnp.where(cols < limit, cols, 0)[None, :], shape)
+    idx = (*(jnp.full(shape, i, jnp.int32) for i in lead), rr, cc)
+    return plgpu.load(ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
+
+
+def _finish(q, s, m, bits: int, dt):
+    """Codes ``q`` and their scales (float32 tiles) as the weight's values in ``dt``."""
+    if m is not None:
+        f = q * s + m
+    else:
+        f = (q - quant.OFFSET4) * s if bits == 4 else q * s
+    return f.astype(dt)
+
+
+def _group_tile(w: Weight, gidx, c, bn: int, ok):
+    """Scales (and mins) of the groups ``gidx [P]`` for columns ``[c, c + bn)``: ``[P, bn]``."""
+    shape = (gidx.shape[0], bn)
+    gg = jnp.broadcast_to(gidx[:, None], shape)
+    cc = jnp.broadcast_to(c + jnp.arange(bn)[None, :], shape)
+    load = functools.partial(plgpu.load, mask=ok, other=0.0)
+    s = load(w.refs[1].at[gg, cc]).astype(jnp.float32)
+    m = load(w.refs[2].at[gg, cc]).astype(jnp.float32) if len(w.refs) > 2 else None
+    return s, m
+
+
+def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
+    """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles in ``dt``,
+    each with the rows of K it holds (``load_cols``' ``cols``): one tile for a dense or 8-bit
+    weight, two (low and high nibbles) for a 4-bit one. Past the weight's ends: zeros."""
+    col_ok = ((c + jnp.arange(bn)) < n)[None, :]
+    if w.bits is None or w.bits == 8:
+        rows = k0 + jnp.arange(bk)
+        ok = (rows < kdim)[:, None] & col_ok
+        tile = plgpu.load(w.refs[0].at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0)
+        if w.bits is None:
+            return [((k0, bk), tile)]
+        s, m = _group_tile(w, jnp.where(rows < kdim, rows // w.group, 0), c, bn, ok)
+        return [((k0, bk), _finish(tile.astype(jnp.float32), s, m, 8, dt))]
+    half = bk // 2
+    prow = k0 // 2 + jnp.arange(half)
+    ok = (prow < kdim // 2)[:, None] & col_ok
+    packed = plgpu.load(w.refs[0].at[pl.ds(k0 // 2, half), pl.ds(c, bn)], mask=ok, other=0)
+    s, m = _group_tile(w, jnp.where(prow < kdim // 2, prow // (w.group // 2), 0), c, bn, ok)
+    lo = _finish((packed & 15).astype(jnp.float32), s, m, 4, dt)
+    hi = _finish((packed >> 4).astype(jnp.float32), s, m, 4, dt)
+    low = quant.low_row(prow, w.group)
+    return [(low, lo), (low + w.group // 2, hi)]
+
+
+def tile_dot(a, w, rows: int):
+    """``a [rows, L]`` (float32 holding values of ``w``'s dtype) times ``w [L, bn]`` in float32."""
+    if rows == 1:  # one row: products on the CUDA cores, summed over the tile
+        return jnp.sum(a[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
+    return jax.lax.dot_general(  # tensor cores; a holds values of w's dtype, so the cast is exact
+        a.astype(w.dtype),
+        w,
+        (((1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def rows_of(m: int) -> int:
+    return 1 if m == 1 else DOT_ROWS
+
+
+# ---- the pure-jnp reference ---------------------------------------------------------------
+
+
+def qmatmul_reference(x: Float[Array, "m k"], w: QuantizedWeight) -> Float[Array, "m n"]:
+    """Dequantize-then-matmul: ``x @ dequantize(w)`` in float32."""
+    wf = quant.dequantize(w, x.dtype)
+    return jnp.matmul(
+        x, wf, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+# ---- the kernel ---------------------------------------------------------------------------------
+
+
+def unsupported_reason(x, w) -> str | None:
+    """Why ``qmatmul`` cannot take these arrays (None when it can)."""
+    if not quant.is_quantized(w):
+        return "the weight is not quantized"
+    if x.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"rows {x.shape} do not take a weight of shape {w.shape}"
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return f"{x.shape[0]} rows not in [1, {MAX_ROWS}]"
+    if jnp.dtype(x.dtype) != compute_dtype(w) or compute_dtype(w) not in SUPPORTED_DTYPES:
+        return f"rows of {x.dtype} with a weight computing in {w.dtype} (need one of bf16/f16/f32)"
+    return None
+
+
+def check_tiles(bn: int, bk: int, specs=()) -> None:
+    """Raise ValueError for tiles the kernels cannot use: powers of two >= 16, and ``bk >= 32``
+    with a 4-bit weight among ``specs`` (each nibble's half tile is a dot of ``bk / 2``)."""
+    for name, v in (("bn", bn), ("bk", bk)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}={v}: the kernels' tiles must be powers of two >= 16")
+    if bk < 32 and any(spec[0] == 4 for spec in specs):
+        raise ValueError(f"bk={bk}: a 4-bit weight needs bk >= 32 (two dots of bk / 2 rows)")
+
+
+def plan(k: int, n: int, bn: int, bk: int, splits: int | None, spec=(None,)) -> tuple[int, int]:
+    """``(K splits, tiles a split)`` for a ``[K, N]`` weight of format ``spec`` (``operands``):
+    ``splits`` (None: enough to give ``TARGET_PROGRAMS`` programs), each a whole number of
+    ``bk`` tiles."""
+    check_tiles(bn, bk, (spec,))
+    k_tiles = math.ceil(k / bk)
+    if splits is None:
+        splits = max(1, TARGET_PROGRAMS // math.ceil(n / bn))
+    tiles = math.ceil(k_tiles / max(1, min(splits, k_tiles)))
+    return math.ceil(k_tiles / tiles), tiles
+
+
+def _kernel(x_ref, *refs, spec, m, k, n, bn, bk, tiles, rows, dt):
+    (w,), o_ref = regroup(refs[:-1], (spec,)), refs[-1]
+    j, s = pl.program_id(0), pl.program_id(1)
+    c = pl.multiple_of(j * bn, bn)
+
+    def body(i, acc):
+        k0 = pl.multiple_of((s * tiles + i) * bk, bk)
+        # the codes' loads are issued before the activations' (a warp stalls at a load's first
+        # use, not at the load), so the two round trips overlap
+        pairs = weight_tiles(w, k0, bk, c, bn, k, n, dt)
+        for cols, tile in pairs:
+            acc = acc + tile_dot(load_cols(x_ref, rows, m, cols, k), tile, rows)
+        return acc
+
+    acc = jnp.zeros((rows, bn), jnp.float32)
+    acc = body(0, acc) if tiles == 1 else jax.lax.fori_loop(0, tiles, body, acc)
+    live = (jnp.arange(rows) < m)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
+    plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(c, bn)], acc, mask=live)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("interpret", "bn", "bk", "splits", "num_warps", "num_stages")
+)
+def qmatmul(
+    x: Float[Array, "m k"],
+    w: QuantizedWeight,
+    *,
+    interpret: bool = False,
+    bn: int | None = None,
+    bk: int | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Float[Array, "s m n"]:
+    """``x @ w`` as float32 partial sums ``[S, M, N]`` (their sum is the product; see the
+    module docstring). ``bn`` columns and ``bk`` rows of K a tile, ``splits`` K splits (None:
+    by ``plan``)."""
+    why = unsupported_reason(x, w)
+    if why is not None:
+        raise ValueError(f"qmatmul: {why}")
+    (m, k), n = x.shape, w.shape[1]
+    bn, bk = bn or BN, bk or BK
+    arrays, spec = operands(w)
+    n_split, tiles = plan(k, n, bn, bk, splits, spec)
+    kern = functools.partial(
+        _kernel, spec=spec, m=m, k=k, n=n, bn=bn, bk=bk, tiles=tiles, rows=rows_of(m),
+        dt=x.dtype,
+    )  # fmt: skip
+    return pl.pallas_call(
+        kern,
+        grid=(math.ceil(n / bn), n_split),
+        out_shape=jax.ShapeDtypeStruct((n_split, m, n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES
+        ),
+        interpret=interpret,
+        name=f"qmatmul_int{w.bits}",
+    )(x, *arrays)
