@@ -181,3 +181,18 @@ def test_a_second_process_compiles_nothing(ckpt, tmp_path):
     off, _ = _events([*argv, "--no-compile-cache"], tmp_path / "off")
     assert not [k for k in off if k.endswith(("/cache_hits", "/cache_misses"))]
     assert not (tmp_path / "off" / "xla").exists()
+
+
+@pytest.mark.slow  # compiles the cost model's units for three gammas, then the run: ~40 s
+def test_magicdec_auto_says_what_it_measures_and_a_later_run_reuses_it(
+    ckpt, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path))
+    argv = ["generate", "w3 w4 w5", "--model", str(ckpt), *ARGS, "--method", "magicdec"]
+    argv += ["--draft", "self-streaming", "--option", "budget=32", "--option", "shape=chain"]
+    code, first, err = _run(argv, capsys)
+    assert code == 0, err
+    assert "measuring MagicDec's cost model" in err and "timing T_V(gamma=4)" in err
+    assert len(list((tmp_path / "profiles").glob("magicdec-chain-*.json"))) == 1
+    code, again, err = _run(argv, capsys)  # a new model object: the profile comes from disk
+    assert code == 0 and "measuring" not in err and "timing" not in err and again == first

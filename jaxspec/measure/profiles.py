@@ -11,6 +11,7 @@ make a choice slower, never a result different (the choices are gammas and shape
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -81,7 +82,8 @@ def save(folder, description: dict, measured: dict) -> pathlib.Path | None:
         tmp.write_text(json.dumps({"description": description, "measured": measured}, indent=1))
         tmp.replace(path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # its folder may be what could not be made
+            tmp.unlink(missing_ok=True)
         return None
     return path
 
@@ -106,10 +108,19 @@ def kept(owner: Model, key, profile_dir, description: dict, cls):
     if m is None:
         stored = load(profile_dir, description)
         if stored is not None:
-            if "t_v" in stored:  # JSON keys are strings
-                stored["t_v"] = {int(g): t for g, t in stored["t_v"].items()}
-            m = owner._cache[key] = cls(**stored)
+            try:
+                m = _restored(cls, stored)
+            except (TypeError, ValueError, AttributeError):  # another layout: measure again
+                return None
+            owner._cache[key] = m
     return m
+
+
+def _restored(cls, stored: dict):
+    """A measurement dataclass from its stored fields."""
+    if isinstance(stored.get("t_v"), dict):  # a chain's T_V by gamma: JSON keys are strings
+        stored["t_v"] = {int(g): float(t) for g, t in stored["t_v"].items()}
+    return cls(**stored)
 
 
 def keep(owner: Model, key, profile_dir, description: dict, m) -> None:
