@@ -35,8 +35,17 @@ def home() -> pathlib.Path:
 
 
 def checkpoints() -> pathlib.Path:
-    """Where converted checkpoints go: the checkout's ``checkpoints/``, else ``home()``'s."""
+    """Where the embedded default model is converted: the checkout's ``checkpoints/`` (where
+    ``make demo`` put it), else ``home()``'s."""
     return places.checkpoints(os.environ.get("JAXSPEC_HOME") or None)
+
+
+def source_cache() -> pathlib.Path:
+    """Where ``--model``'s HF folders and .gguf files are converted once: ``$JAXSPEC_HOME``'s
+    ``checkpoints/`` when it is set (the user's choice, the test suite's temporary folder),
+    else ``checkpoints()``."""
+    given = os.environ.get("JAXSPEC_HOME")
+    return places.home(given) / "checkpoints" if given else checkpoints()
 
 
 def use_compile_cache(enabled: bool) -> pathlib.Path | None:
@@ -72,14 +81,14 @@ def dtype_name(name: str) -> str:
 
 def model_path(spec: str | None, dtype: str) -> pathlib.Path:
     """The converted checkpoint a ``--model`` names: the embedded default model, a converted
-    folder as given, or an HF folder / .gguf file converted once into ``checkpoints()`` (in
+    folder as given, or an HF folder / .gguf file converted once into ``source_cache()`` (in
     ``dtype``; a changed source is converted again, into a folder of its own)."""
     if spec is None:
         return default_checkpoint(checkpoints())
     src = pathlib.Path(spec).expanduser().absolute()
     if not is_source(src):
         return src
-    dst = checkpoints() / f"{src.stem if src.is_file() else src.name}-{dtype}-{_digest(src)}"
+    dst = source_cache() / f"{src.stem if src.is_file() else src.name}-{dtype}-{_digest(src)}"
     if not complete(dst):
         print(f"converting {src} once into {dst} (later runs load it from there)", file=sys.stderr)
     return converted(src, dst, dtype=dtype, progress=True)
