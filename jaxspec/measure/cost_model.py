@@ -374,6 +374,11 @@ def tune(
     ``profile_dir`` when given (``measure.profiles``: a later process on this machine reuses
     it): (options with the chosen shape and gamma, what was chosen and from what)."""
     shape = options.resolved_shape
+    if shape == "auto" and options.shape is None and jax.default_backend() != "gpu":
+        # on a CPU a shape left open is a chain: measuring the tree too (its grow and verify
+        # compiles, a tree run) made a first SmolLM2 run measure for 248 s on 2 loaded cores
+        # (benchmarks/results/warm_start_cpu.json); shape="auto" still measures both
+        shape = "chain"
     gammas = magicdec.candidate_gammas() if options.gamma == "auto" else (options.gamma,)
     d, _ = magicdec.resolve_draft(target, draft, options, kernels)
     b, bucket = ids.shape[0], prefix_bucket(int(np.max(lens)))
