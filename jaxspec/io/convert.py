@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
 import shutil
 from collections.abc import Iterator
 
@@ -34,6 +35,7 @@ from jaxspec.io.gguf import GGUFSource
 from jaxspec.io.hf import hf_reader, load_tokenizer
 from jaxspec.io.paths import check_output_path, interrupts_held, temp_dir, writing_beside
 from jaxspec.io.weights import hf_to_tree
+from jaxspec.model.sharding import param_specs
 from jaxspec.model.transformer import Model, abstract_model
 
 PathLike = str | os.PathLike
@@ -292,8 +294,6 @@ def load(
         shardings = None
         device = SingleDeviceSharding(jax.devices()[0])
     else:
-        from jaxspec.model.sharding import param_specs
-
         shardings = param_specs(cfg, mesh)
         device = None
 
@@ -345,8 +345,6 @@ def _is_hf_folder(path: pathlib.Path) -> bool:
 def _convert_first(src: pathlib.Path, what: str) -> CheckpointError:
     """The error for a model that ``load`` cannot read until it is converted, with the command
     that converts it (into a folder beside it)."""
-    import shlex
-
     stem = src.with_suffix("") if src.is_file() else src
     dst = stem if stem != src and not stem.exists() else stem.with_name(stem.name + "-jaxspec")
     return CheckpointError(

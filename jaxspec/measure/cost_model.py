@@ -31,6 +31,9 @@ chain engine's propose (gamma = 1) for T_D and its verify for T_V(gamma), the tr
 (depth = 1) for T_E and its verify for T_V(bs); alpha and L from short runs of those engines)
 or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per forward against its
 bandwidth and peak). Times are in milliseconds.
+
+long: the model, its two measurements and the tuning that reads and keeps them are one piece;
+the formulas are short, and each measurement needs the others' programs and prompts.
 """
 
 from __future__ import annotations
