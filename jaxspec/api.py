@@ -90,11 +90,13 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     chat=False,
     kernels=None,
     progress=None,
+    profile_dir=None,
     **method_options,
 ) -> Call:
     """Everything ``generate`` resolves before running: the engine, its program, the inputs.
     ``progress(message)`` hears of each wait before it starts (a measurement of open options,
-    a compile); default: silent."""
+    a compile); default: silent. ``profile_dir``: a folder where measurements of open options
+    are kept for later processes (``measure.profiles``; default: none)."""
     if not isinstance(target, Model):
         raise OptionError(
             f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
@@ -133,8 +135,9 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
         )
     if engine.open_choices(options):
         options, chosen = tuning.tune(
-            engine, target, draft, options, padded, lens, req, kernels, progress=progress
-        )
+            engine, target, draft, options, padded, lens, req, kernels, progress=progress,
+            profile_dir=profile_dir,
+        )  # fmt: skip
     prog, dweights = engine.program(target, draft, options, req, kernels)
     return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen, progress)
 
@@ -177,6 +180,7 @@ def generate(
     chat=False,
     kernels=None,
     progress=None,
+    profile_dir=None,
     **method_options,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt with ``method``.
@@ -187,6 +191,8 @@ def generate(
     chat: wrap string prompts in the tokenizer's chat template as one user turn.
     kernels: the ``KernelConfig`` of this call (default: the model's own, else the defaults).
     progress: ``progress(message)`` before each wait (measuring open options, compiling).
+    profile_dir: a folder keeping the measurements of open options (MagicDec's gamma) for
+    later processes on this machine.
     Every speculative method returns exactly the target's greedy tokens at temperature 0 and
     samples from the target's distribution otherwise.
     """
@@ -194,7 +200,7 @@ def generate(
         prepare(
             target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
-            kernels=kernels, progress=progress, **method_options,
+            kernels=kernels, progress=progress, profile_dir=profile_dir, **method_options,
         )
     )  # fmt: skip
 
@@ -213,6 +219,7 @@ def stream(
     chat=False,
     kernels=None,
     progress=None,
+    profile_dir=None,
     segment_steps=None,
     **method_options,
 ) -> Stream:
@@ -226,7 +233,7 @@ def stream(
     call = prepare(
         target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
-        kernels=kernels, progress=progress, **method_options,
+        kernels=kernels, progress=progress, profile_dir=profile_dir, **method_options,
     )  # fmt: skip
     return Stream(call, base.stream_steps(segment_steps))
 

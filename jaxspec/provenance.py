@@ -62,6 +62,7 @@ def _command(argv: list[str]) -> str:
     """The command line as typed: ``jaxspec ...`` for the CLI (console script or ``python -m
     jaxspec.cli``), else ``python SCRIPT ...``."""
     head = argv[0] if argv else ""
-    if pathlib.Path(head).name == "jaxspec" or head.endswith(("jaxspec/cli.py", "jaxspec.cli")):
+    cli = ("jaxspec/cli.py", "jaxspec/cli/__main__.py", "jaxspec.cli")
+    if pathlib.Path(head).name == "jaxspec" or head.endswith(cli):
         return " ".join(["jaxspec", *argv[1:]])
     return " ".join(["python", *argv])  # the interpreter's own name (python3.13, ...) is noise

@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from pallas_kernels import quant
+from pallas_kernels.decode_attention import combine
 from pallas_kernels.quant import QuantizedWeight
 from pallas_kernels.quant_linear import (
     check_tiles,
@@ -152,8 +153,6 @@ def norm_project_reference(x, pending, g, ws, *, eps: float):
 def combine_project_reference(acc, m, ssum, w, *, t: int):
     """``combine(splits) @ w``: the attention output merged from its splits by log-sum-exp
     (``decode_attention.combine``), as ``[B * T, H * hd]`` rows, times ``w``."""
-    from pallas_kernels.decode_attention import combine
-
     rows = t * (w.shape[0] // acc.shape[-1] // acc.shape[1])
     out = combine(acc[..., :rows, :], m[..., :rows], ssum[..., :rows], t, compute_dtype(w))
     return _mm(out.reshape(-1, w.shape[0]), w)

@@ -7,6 +7,18 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the CLI's persistent compilation cache stays off in the test process (tests that check it run
+# the CLI in a subprocess without this)
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")
+# the CLI's per-user folder (converted checkpoints, JAX's compilation cache): a fresh one per
+# session, never the user's own, removed at exit
+if "JAXSPEC_HOME" not in os.environ:
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    os.environ["JAXSPEC_HOME"] = tempfile.mkdtemp(prefix="jaxspec-test-home-")
+    atexit.register(shutil.rmtree, os.environ["JAXSPEC_HOME"], ignore_errors=True)
 
 import importlib  # noqa: E402
 import pkgutil  # noqa: E402

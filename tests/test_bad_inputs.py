@@ -134,10 +134,19 @@ CASES = [
     convert_case("convert-overwrite-the-source", "is the source", "{hf}", "{hf}", overwrite=True),
     # ---------------------------------------------------------------- models and drafts
     model_case("model-missing", "no converted checkpoint at", "{nowhere}"),
-    model_case(
-        "model-is-an-hf-folder", "convert it first: jaxspec convert {hf} {hf}-jaxspec", "{hf}"
+    # the CLI converts an HF folder or a .gguf once (tests/test_cli.py); jaxspec.load does not
+    Bad(
+        "model-is-an-hf-folder",
+        "convert it first: jaxspec convert {hf} {hf}-jaxspec",
+        api=lambda w: jaxspec.load(_fill("{hf}", w)),
+        exc=CheckpointError,
     ),
-    model_case("model-is-a-gguf", "convert it first: jaxspec convert {gguf} {gguf_stem}", "{gguf}"),
+    Bad(
+        "model-is-a-gguf",
+        "convert it first: jaxspec convert {gguf} {gguf_stem}",
+        api=lambda w: jaxspec.load(_fill("{gguf}", w)),
+        exc=CheckpointError,
+    ),
     model_case("model-without-params", "no params/", "{ckpt_no_params}"),
     model_case("model-corrupt-params", "could not restore the parameters", "{ckpt_truncated}"),
     model_case("model-bad-config", "not a valid jaxspec config", "{ckpt_bad_config}"),
@@ -157,11 +166,6 @@ CASES = [
         "draft-missing-folder",
         "neither a folder nor a known draft kind",
         _gen("w3", "--method", "chain", "--draft", "{nowhere}"),
-    ),
-    Bad(
-        "draft-is-an-hf-folder",
-        "convert it first",
-        _gen("w3", "--method", "chain", "--draft", "{hf}"),
     ),
     generate_case(
         "draft-unknown-kind", "unknown draft", None, DraftError, method="chain", draft="medusa"
@@ -285,8 +289,8 @@ CASES = [
     dataset_case("zero-prompts", "must be positive", "humaneval", 0),
     Bad("prompts-not-a-number", "invalid int value", _bench("--prompts", "many")),
     # ---------------------------------------------------------------- bench: options and --out
-    Bad("option-without-a-value", "--option takes KEY=INT", _bench("--option", "gamma")),
-    Bad("option-not-an-integer", "--option takes KEY=INT", _bench("--option", "gamma=four")),
+    Bad("option-without-a-value", "--option takes KEY=VALUE", _bench("--option", "gamma")),
+    Bad("option-not-an-integer", "gamma must be an integer", _bench("--option", "gamma=four")),
     Bad("bench-no-methods", "give at least one method", _bench("--methods", ",")),
     Bad("bench-unknown-method", "unknown method(s) beam", _bench("--methods", "beam")),
     Bad("bench-unknown-peer", "unknown peer(s) foo", _bench("--peers", "foo")),

@@ -295,7 +295,7 @@ def jax_version():
     [
         (["--methods", "autoregressive,beam"], "unknown method"),
         (["--dataset", "squad"], "unknown dataset"),
-        (["--option", "gamma=x"], "KEY=INT"),
+        (["--option", "gamma=x"], "gamma must be an integer"),
         (["--batch", "0"], "--batch"),
         (["--peers", "vllm"], "unknown peer"),
         (["--methods", ","], "at least one method"),

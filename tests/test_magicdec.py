@@ -315,7 +315,7 @@ def test_magicdec_snapkv_batch_sizes(lengths):
 
 
 def test_magicdec_auto_gamma(monkeypatch):
-    monkeypatch.setattr(magicdec, "GAMMAS", (2, 3))
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (2, 3))
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
     r = generate(
         target, ps, draft=target, sparse="dense", method="magicdec", shape="chain",

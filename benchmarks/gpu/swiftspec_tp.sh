@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# pending: no kept result yet (its GPUs have not been lent); tests/test_results_page.py lets a
+# pending runner go without a note until its first result lands in benchmarks/results/.
 # SwiftSpec over N GPUs with a tensor-parallel target (issue 26; bench_swiftspec_tp.py): a
 # Llama-3-70B-shape target over x GPUs and a Llama-3-8B-shape draft over y (or 1B: --draft 1b),
 # random bf16 weights built on their meshes, timed by SwiftSpec's own profile; the predicted

@@ -15,6 +15,10 @@ An engine (``ENGINES[method]``, filled in ``jaxspec.engines``) has:
 Shared here: the output bookkeeping (``Out``, ``first``, ``emit``), the loop (``until_done``),
 the stats types, and the one compile cache (``compiled``), keyed by the program, the weights'
 layout and the argument shapes, so a warm call costs a dict lookup and a dispatch.
+
+long: the interface, the options' parsing, the loop and its streamed segments, the stats and the
+compile cache are the one contract every engine and measurement shares; cut apart, each piece
+would import the others.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import collections
 import dataclasses
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -177,6 +182,21 @@ def count_int(name: str, value) -> int:
     return value
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a word", type(None): "None"}
+
+
+def _is_a(value, kind) -> bool:
+    """Whether an option value has its field's type (a bool is no integer; any number is a
+    float)."""
+    if kind is object:
+        return True
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Base of every engine's options: ``parse`` rejects unknown names (listing the known
@@ -192,6 +212,12 @@ class EngineOptions:
                 f"method={method!r} does not take option(s) {', '.join(unknown)}; it takes: "
                 f"{allowed}."
             )
+        hints = typing.get_type_hints(cls)
+        for name, value in raw.items():
+            kinds = typing.get_args(hints[name]) or (hints[name],)
+            if not any(_is_a(value, k) for k in kinds):
+                want = " or ".join(_KIND_NAMES.get(k, getattr(k, "__name__", "")) for k in kinds)
+                raise OptionError(f"{name} must be {want}, got {value!r}.")
         return cls(**raw)
 
     @classmethod

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jaxspec.engines import base, chain, tree
 from jaxspec.errors import DraftError, OptionError
 from jaxspec.model.feature_head import FeatureModel
@@ -27,16 +29,27 @@ from jaxspec.model.transformer import Model
 from jaxspec.spec import drafts, tree_drafts
 
 GAMMAS = range(1, 9)  # the cost model's candidates for gamma="auto"
+# On a CPU: each candidate costs a compile of its verify (3-16 s for SmolLM2 on 2 loaded cores)
+# and T_V grows about linearly with gamma there (40.3, 45.1, 56.1 ms at 1, 2, 4; a 32-token
+# context), so three points bracket the choice in a third of the wait.
+CPU_GAMMAS = (1, 2, 4)
+
+
+def candidate_gammas(backend: str | None = None) -> tuple[int, ...]:
+    """The gammas ``gamma="auto"`` chooses from on ``backend`` (default: JAX's)."""
+    return tuple(GAMMAS) if (backend or jax.default_backend()) == "gpu" else CPU_GAMMAS
+
+
 SHAPES = ("auto", "chain", "tree")
 SPARSE = ("streaming", "snapkv", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
 class Options(base.SparseOptions):
-    """``gamma`` (an int, or "auto": the cost model picks from ``GAMMAS``); ``shape`` ("auto",
-    "chain", "tree"; None: "chain" when gamma is fixed, "tree" when a tree option is given, else
-    "auto"); the tree options (None: ``tree.TreeShape``'s defaults); ``sparse``: a draft
-    Model's cache ("streaming", the default, "snapkv" or "dense")."""
+    """``gamma`` (an int, or "auto": the cost model picks from ``candidate_gammas()``);
+    ``shape`` ("auto", "chain", "tree"; None: "chain" when gamma is fixed, "tree" when a tree
+    option is given, else "auto"); the tree options (None: ``tree.TreeShape``'s defaults);
+    ``sparse``: a draft Model's cache ("streaming", the default, "snapkv" or "dense")."""
 
     gamma: int | str = "auto"
     shape: str | None = None
@@ -130,7 +143,7 @@ def resolve_draft(target: Model, draft, options: Options, kernels):
         target, draft, "magicdec", kernels=kernels, sparse=sparse, **options.draft_kwargs()
     )
     shape = options.resolved_shape
-    top = max(GAMMAS) if options.gamma == "auto" else options.gamma
+    top = max(candidate_gammas()) if options.gamma == "auto" else options.gamma
     depth = options.tree_shape.depth
     need = {"chain": top, "tree": depth, "auto": max(top, depth)}[shape]
     if d.sparse is not None and d.sparse.window < need + 1:

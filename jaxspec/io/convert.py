@@ -439,6 +439,12 @@ def _template(pure: dict, cfg: ModelConfig, dtype, mesh: Mesh | None) -> dict:
     return jax.tree.map(one, pure, shardings, is_leaf=quant.is_quantized)
 
 
+def is_source(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a model ``convert`` takes (a .gguf file or an HF model folder) rather
+    than a converted checkpoint."""
+    return (path.is_file() and path.suffix.lower() == ".gguf") or _is_hf_folder(path)
+
+
 def _is_hf_folder(path: pathlib.Path) -> bool:
     """An HF model folder: config.json beside safetensors weights (or an HF config: one with a
     model_type), and no params/ of a converted checkpoint."""

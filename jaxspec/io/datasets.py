@@ -30,11 +30,17 @@
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import pathlib
+import sys
+import sysconfig
+import textwrap
 
 from jaxspec.errors import OptionError
 from jaxspec.io.places import PROMPTS
+from jaxspec.prompts import encode_text
 
 Prompt = str | list[int]  # text, or token ids (from .json / .jsonl files)
 
@@ -133,8 +139,6 @@ def longdoc_prompts(tokenizer, n: int, tokens: int, *, chat: bool = True) -> lis
     changing its length at the edges): a document cut from the token ids of ``longdoc_text()`` with
     ``tokenizer``, then ``LONGDOC_INSTRUCTION``, wrapped as one user turn in the chat template
     (``chat``). Documents start at different places of the text (see ``_cuts``)."""
-    from jaxspec.prompts import encode_text
-
     overhead = len(encode_text(tokenizer, "\n\n" + LONGDOC_INSTRUCTION, chat=chat))
     if tokens <= overhead:
         raise OptionError(
@@ -161,8 +165,6 @@ def chat_template(name: str) -> bool:
 
 
 def longdoc_source() -> str:
-    import sys
-
     return SOURCES["longdoc"].format(sys.version.split()[0])
 
 
@@ -171,9 +173,6 @@ STDLIB_MAX_LINES = 30  # signature + docstring lines at most
 
 
 def _stdlib_files() -> list[pathlib.Path]:
-    import hashlib
-    import sysconfig
-
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts)]
     key = lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()  # noqa: E731
@@ -183,9 +182,6 @@ def _stdlib_files() -> list[pathlib.Path]:
 def _file_prompts(path: pathlib.Path) -> list[str]:
     """The signature + docstring of every public function with a docstring and a body of two or
     more statements after it, dedented."""
-    import ast
-    import textwrap
-
     try:
         src = path.read_text(encoding="utf-8")
         tree = ast.parse(src)
@@ -301,8 +297,6 @@ def load(name: str, n: int | None = None) -> tuple[list[Prompt], str]:
     if name == "longdoc":
         return longdoc(n), longdoc_source()
     if name == "stdlib":
-        import sys
-
         return stdlib(n), SOURCES["stdlib"].format(sys.version.split()[0])
     if name.startswith("file:"):
         path = pathlib.Path(name[5:]).expanduser()

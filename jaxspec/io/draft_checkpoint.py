@@ -24,9 +24,12 @@ from flax import nnx
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError, DraftError, OptionError
 from jaxspec.io import places
+from jaxspec.io.convert import _int_keys, _move_into_place, _save_params, _str_keys
+from jaxspec.io.paths import temp_dir, writing_beside
 from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
 from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, Network, abstract_model
+from jaxspec.provenance import metadata
 
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
@@ -154,8 +157,6 @@ def load_draft(path: PathLike, target: Model) -> Network:
     ``CheckpointError`` when the files are missing or corrupt."""
     import orbax.checkpoint as ocp
 
-    from jaxspec.io.convert import _int_keys, _str_keys
-
     if not isinstance(target, Model):
         raise OptionError(
             f"load_draft needs the target jaxspec.Model, got {type(target).__name__}."
@@ -228,10 +229,6 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 def _write_draft(dst, cfg, train, store_dtype, fp, *, training, kind="model") -> pathlib.Path:
     """``draft.json`` + ``params/`` (only the draft's own weights), atomically. ``kind``:
     "model" (a small decoder) or "feature" (an EAGLE-1 head, ``model.feature_head``)."""
-    from jaxspec.io.convert import _save_params
-    from jaxspec.io.paths import writing_beside
-    from jaxspec.provenance import metadata
-
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
     meta = {
@@ -254,13 +251,9 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training, kind="model") ->
 
 
 def _fresh_dir(dst: pathlib.Path) -> pathlib.Path:
-    from jaxspec.io.paths import temp_dir
-
     dst.parent.mkdir(parents=True, exist_ok=True)
     return temp_dir(dst)
 
 
 def _replace(tmp: pathlib.Path, dst: pathlib.Path) -> None:
-    from jaxspec.io.convert import _move_into_place
-
     _move_into_place(tmp, dst)

@@ -5,7 +5,8 @@
   ``jaxspec/shipped/``: pyproject's ``package-dir``).
 * Converted checkpoints: the checkout's ``checkpoints/``, else the user's cache folder
   (``~/.cache/jaxspec/checkpoints``), so an installed jaxspec never writes into
-  ``site-packages``. The CLI passes ``JAXSPEC_HOME`` as ``home`` (the library reads no variable).
+  ``site-packages``. The CLI passes ``JAXSPEC_HOME`` as the folder (the library reads no
+  variable); it also holds the CLI's compilation cache (``xla/``), from a checkout too.
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ def home(override: str | pathlib.Path | None = None) -> pathlib.Path:
 
 
 def checkpoints(home_dir: str | pathlib.Path | None = None) -> pathlib.Path:
-    """Where converted checkpoints go: ``home_dir/checkpoints`` when given, else the checkout's
-    ``checkpoints/``, else the user cache folder's."""
+    """Where converted checkpoints go: the checkout's ``checkpoints/``, else
+    ``home(home_dir)/checkpoints``."""
     repo = checkout()
-    if home_dir is None and repo is not None:
-        return repo / "checkpoints"
-    return home(home_dir) / "checkpoints"
+    return repo / "checkpoints" if repo is not None else home(home_dir) / "checkpoints"
 
 
 def shipped_drafts() -> pathlib.Path:

@@ -269,6 +269,8 @@ def _check(methods, peers, batch, budget_s, options) -> None:
     unused = sorted(set(options) - {k for m in methods for k in _taken(m)})
     if unused:
         raise OptionError(f"no method among {', '.join(methods)} takes {', '.join(unused)}.")
+    for m in methods:  # each method's values checked now, not after the methods before it ran
+        ENGINES[m].Options.parse(m, {k: v for k, v in options.items() if k in _taken(m)})
 
 
 def table(result: dict) -> str:

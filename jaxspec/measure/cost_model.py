@@ -31,6 +31,9 @@ chain engine's propose (gamma = 1) for T_D and its verify for T_V(gamma), the tr
 (depth = 1) for T_E and its verify for T_V(bs); alpha and L from short runs of those engines)
 or from ``analytic_times`` (a machine not at hand: bytes and FLOPs per forward against its
 bandwidth and peak). Times are in milliseconds.
+
+long: the model, its two measurements and the tuning that reads and keeps them are one piece;
+the formulas are short, and each measurement needs the others' programs and prompts.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import jax
 import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.engines import autoregressive, base, chain, magicdec, tree
 from jaxspec.engines.magicdec import alpha_from_acceptance_length, omega
-from jaxspec.measure import units
+from jaxspec.measure import profiles, units
 from jaxspec.model.prefill import pad_prompts
 from jaxspec.model.transformer import Model
 from jaxspec.spec import tree_drafts
@@ -216,6 +220,13 @@ def _short_run(engine, prog, target, dw, ids, lens):
     return length, slowest_row_length(out.emitted, out.live_steps)
 
 
+def _quiet(message: str) -> None:
+    pass
+
+
+_SNAPSHOT = jax.jit(tree.snapshot, static_argnums=1)
+
+
 def measure(
     target,
     draft,
@@ -231,44 +242,54 @@ def measure(
     alpha_tokens: int = 32,
     reps: int = 5,
     seed: int = 0,
+    progress=None,
 ) -> Measurement:
     """T_T, T_D and T_V(gamma) on random prompts of ``batch`` x ``prefix`` through the engines'
     units, and alpha from a short greedy chain run at ``alpha_gamma`` (on ``ids``/``lens`` when
     given, else on the random prompts). ``draft``: what ``generate`` takes for magicdec;
-    ``options``: its draft options (budget, sinks, ...)."""
+    ``options``: its draft options (budget, sinks, ...); ``progress(message)`` before each part.
+
+    The chain programs of every gamma are built with one cache capacity, so one state (after
+    the prefill) serves all their units, and a verify is timed on a proposal of zeros (a greedy
+    verify costs the same whatever it is shown): one compile per gamma instead of three."""
     options = options or magicdec.Options(gamma=max(gammas))
+    say = progress or _quiet
     d, dw = magicdec.resolve_draft(target, draft, options, kernels)
     gammas = sorted(set(gammas))
+    top = max(gammas)
     rand_ids, rand_lens = _random_prompts(target.config, batch, prefix, seed)
     tw = target.weights
-    req = _request(batch, prefix, 2)
-    ar, _ = autoregressive.ENGINE.program(target, None, autoregressive.Options(), req, kernels)
+    say(f"timing T_T, one target decode step (batch {batch}, {prefix} cached tokens)")
+    ar, _ = autoregressive.ENGINE.program(
+        target, None, autoregressive.Options(), _request(batch, prefix, 2), kernels
+    )
     t_t = _timed(autoregressive.ENGINE, ar, tw, None, rand_ids, rand_lens, "verify", reps)
 
-    def chain_prog(g, r=req):
+    def chain_prog(g, r=None):
+        r = r or _request(batch, prefix, 2 + top - g)  # the capacity of the largest gamma
         opts = magicdec.chain_options(options, g)
         return chain.ENGINE.program(target, None, opts, r, kernels, resolved=(d, dw))[0]
 
-    t_d = _timed(chain.ENGINE, chain_prog(1), tw, dw, rand_ids, rand_lens, "draft", reps)
-    t_v = {
-        g: _timed(chain.ENGINE, chain_prog(g), tw, dw, rand_ids, rand_lens, "verify", reps)
-        for g in gammas
-    }
+    dflat = None if dw is None else dw.flat
+    first = chain_prog(gammas[0])
+    state = units.initial(chain.ENGINE, first, tw.flat, dflat, rand_ids, rand_lens)
+    say(f"timing T_D, one {type(d).__name__} draft step")
+    propose = chain.ENGINE.units(chain_prog(1))["draft"]
+    t_d = units.unit_ms(propose, chain_prog(1), tw.flat, dflat, state, reps=reps)
+    t_v = {}
+    for g in gammas:
+        say(f"timing T_V(gamma={g}), one target verify of {g + 1} tokens")
+        prog = chain_prog(g)
+        proposal = (np.zeros((batch, g), np.int32), None)
+        verify = chain.ENGINE.units(prog)["verify"]
+        t_v[g] = units.unit_ms(verify, prog, tw.flat, dflat, state, reps=reps, aux=proposal)
     if ids is None:
         ids, lens = rand_ids, rand_lens
+    say(f"measuring alpha: a {alpha_tokens}-token greedy chain run at gamma {alpha_gamma}")
     run_prog = chain_prog(alpha_gamma, _request(ids.shape[0], ids.shape[1], alpha_tokens))
     length, slowest = _short_run(chain.ENGINE, run_prog, target, dw, ids, lens)
-    return Measurement(
-        batch=batch,
-        prefix=prefix,
-        t_t=t_t,
-        t_d=t_d,
-        t_v=t_v,
-        alpha=alpha_from_acceptance_length(length, alpha_gamma),
-        alpha_gamma=alpha_gamma,
-        acceptance_length=length,
-        slowest_length=slowest,
-    )
+    alpha = alpha_from_acceptance_length(length, alpha_gamma)
+    return Measurement(batch, prefix, t_t, t_d, t_v, alpha, alpha_gamma, length, slowest)
 
 
 def measure_tree(
@@ -285,11 +306,14 @@ def measure_tree(
     tokens: int = 32,
     reps: int = 5,
     seed: int = 0,
+    progress=None,
 ) -> TreeMeasurement:
     """T_E (the tree engine's grow of one expansion) and T_V(bs) (its verify of the best bs
     nodes) on random prompts of ``batch`` x ``prefix``, and the tree acceptance length from a
-    short greedy tree run (on ``ids``/``lens`` when given)."""
+    short greedy tree run (on ``ids``/``lens`` when given). The verify is timed on the block of
+    the tree before any growth (the same shapes, so the same cost: no compile of a grow)."""
     options = options or magicdec.Options(shape="tree", depth=shape.depth)
+    say = progress or _quiet
     d, dw = magicdec.resolve_draft(target, draft, options, kernels)
     rand_ids, rand_lens = _random_prompts(target.config, batch, prefix, seed)
     tw = target.weights
@@ -301,10 +325,17 @@ def measure_tree(
 
     req = _request(batch, prefix, 2)
     one = dataclasses.replace(shape, depth=1)
+    say(f"timing T_E, one expansion of the {shape.width} best leaves")
     t_e = _timed(tree.ENGINE, tree_prog(one, req), tw, dw, rand_ids, rand_lens, "draft", reps)
-    t_v = _timed(tree.ENGINE, tree_prog(shape, req), tw, dw, rand_ids, rand_lens, "verify", reps)
+    say(f"timing T_V(bs={shape.bs}), one target verify of {shape.bs + 1} tree nodes")
+    prog, dflat = tree_prog(shape, req), None if dw is None else dw.flat
+    state = units.initial(tree.ENGINE, prog, tw.flat, dflat, rand_ids, rand_lens)
+    block = _SNAPSHOT(state.draft.tree, shape.bs, state.cache.length, state.cache.length)
+    verify = tree.ENGINE.units(prog)["verify"]
+    t_v = units.unit_ms(verify, prog, tw.flat, dflat, state, reps=reps, aux=block)
     if ids is None:
         ids, lens = rand_ids, rand_lens
+    say(f"measuring the tree's accepted length: a {tokens}-token greedy tree run")
     run_prog = tree_prog(shape, _request(ids.shape[0], ids.shape[1], tokens))
     length, slowest = _short_run(tree.ENGINE, run_prog, target, dw, ids, lens)
     return TreeMeasurement(
@@ -338,53 +369,64 @@ def middle(gammas) -> int:
     return g[len(g) // 2]
 
 
-def tune(target, draft, options: magicdec.Options, ids, lens, kernels, progress=None):
+def tune(
+    target, draft, options: magicdec.Options, ids, lens, kernels, progress=None, profile_dir=None
+):
     """MagicDec's open choices (``gamma="auto"``, ``shape="auto"``) by the cost model, measured
-    once per (draft, batch, prefix bucket) and kept with the target model: (options with the
-    chosen shape and gamma, what was chosen and from what)."""
+    once per (draft, batch, prefix bucket) and kept with the draft's model, and in
+    ``profile_dir`` when given (``measure.profiles``: a later process on this machine reuses
+    it): (options with the chosen shape and gamma, what was chosen and from what)."""
     shape = options.resolved_shape
-    gammas = tuple(magicdec.GAMMAS) if options.gamma == "auto" else (options.gamma,)
+    if shape == "auto" and options.shape is None and jax.default_backend() != "gpu":
+        # on a CPU a shape left open is a chain: measuring the tree too (its grow and verify
+        # compiles, a tree run) made a first SmolLM2 run measure for 248 s on 2 loaded cores
+        # (benchmarks/results/warm_start_cpu.json); shape="auto" still measures both
+        shape = "chain"
+    gammas = magicdec.candidate_gammas() if options.gamma == "auto" else (options.gamma,)
     d, _ = magicdec.resolve_draft(target, draft, options, kernels)
     b, bucket = ids.shape[0], prefix_bucket(int(np.max(lens)))
     # kept with the draft's model (the target itself for a self-draft): alpha depends on both
     owner = draft if isinstance(draft, Model) else target
     key = ("magicdec", target.layout, d, b, bucket, gammas)
-    m = owner._cache.get(key)
+    described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
+    m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
     if m is None:
         if progress:
             progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): T_T, T_D, "
-                     f"T_V for gamma {gammas[0]}..{gammas[-1]}, alpha")  # fmt: skip
-        m = owner._cache[key] = measure(
+                     f"T_V for gamma {', '.join(map(str, gammas))}, alpha")  # fmt: skip
+        m = measure(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
-            lens=lens, alpha_gamma=middle(gammas),
+            lens=lens, alpha_gamma=middle(gammas), progress=progress,
         )  # fmt: skip
+        profiles.keep(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, m)
     tm = None
     if shape == "auto":
-        tkey = (*key, "tree", options.tree_shape)
-        tm = owner._cache.get(tkey)
+        tkey, tdesc = (*key, "tree", options.tree_shape), {**described, "kind": "magicdec-tree"}
+        tdesc["tree"] = dataclasses.asdict(options.tree_shape)
+        tm = profiles.kept(owner, tkey, profile_dir, tdesc, TreeMeasurement)
         if tm is None:
             if progress:
                 progress("measuring the batched tree: T_E, T_V(bs), its accepted length")
-            tm = owner._cache[tkey] = measure_tree(
+            tm = measure_tree(
                 target, draft, options.tree_shape, b, bucket, options=options, kernels=kernels,
-                ids=ids, lens=lens,
+                ids=ids, lens=lens, progress=progress,
             )  # fmt: skip
+            profiles.keep(owner, tkey, profile_dir, tdesc, tm)
+    return _choice(options, m, tm)
+
+
+def _choice(options: magicdec.Options, m: Measurement, tm: TreeMeasurement | None):
+    """(the options with the shape and gamma the cost model picks, the record of the choice)."""
     chosen_shape, gamma, speedup = choose_shape(m, tm)
-    cost = {
-        "t_t_ms": m.t_t,
-        "t_d_ms": m.t_d,
-        "t_v_ms": dict(m.t_v),
-        "alpha": m.alpha,
-        "alpha_slowest_row": m.batch_alpha,
-        "prefix_bucket": m.prefix,
-    }
+    cost = dict(
+        t_t_ms=m.t_t, t_d_ms=m.t_d, t_v_ms=dict(m.t_v), alpha=m.alpha,
+        alpha_slowest_row=m.batch_alpha, prefix_bucket=m.prefix,
+    )  # fmt: skip
     if tm is not None:
-        cost["tree"] = {
-            "t_e_ms": tm.t_e,
-            "t_v_ms": tm.t_v,
-            "acceptance_length": tm.acceptance_length,
-            "predicted_speedup": 1.0 / tm.relative_time(m.t_t),
-        }
+        cost["tree"] = dict(
+            t_e_ms=tm.t_e, t_v_ms=tm.t_v, acceptance_length=tm.acceptance_length,
+            predicted_speedup=1.0 / tm.relative_time(m.t_t),
+        )  # fmt: skip
     if chosen_shape == "tree":
         new = dataclasses.replace(options, shape="tree", gamma="auto")
     else:

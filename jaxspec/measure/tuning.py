@@ -12,10 +12,14 @@ from __future__ import annotations
 from jaxspec.measure import cost_model, split
 
 
-def tune(engine, target, draft, options, ids, lens, req, kernels, progress=None):
-    """(options with the open choices made, what was chosen and from what)."""
+def tune(engine, target, draft, options, ids, lens, req, kernels, progress=None, profile_dir=None):
+    """(options with the open choices made, what was chosen and from what). ``progress(message)``
+    hears of each measurement before it starts; ``profile_dir`` keeps MagicDec's measurements
+    for later processes (``measure.profiles``)."""
     if engine.name == "magicdec":
-        return cost_model.tune(target, draft, options, ids, lens, kernels, progress=progress)
+        return cost_model.tune(
+            target, draft, options, ids, lens, kernels, progress=progress, profile_dir=profile_dir
+        )
     if engine.name == "swiftspec":
         return split.tune(target, draft, options, ids, lens, req, kernels, progress=progress)
     raise NotImplementedError(f"{engine.name} leaves {engine.open_choices(options)} open")

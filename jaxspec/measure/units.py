@@ -55,12 +55,14 @@ def init_ms(engine: base.Engine, prog, tflat, dflat, ids, lens, *, reps: int = 3
     return median_ms(lambda: exe(*args), reps)
 
 
-def unit_ms(unit: base.Unit, prog, tflat, dflat, state, *, reps: int = 3, floor_ms=50.0) -> float:
+def unit_ms(
+    unit: base.Unit, prog, tflat, dflat, state, *, reps: int = 3, floor_ms=50.0, aux=None
+) -> float:
     """Milliseconds of one ``unit`` step at ``state``'s context: 8 steps, then as many as
     ~``floor_ms`` of them take when 8 were quicker (a prompt lookup costs microseconds), so the
-    timed difference stands above the timer's noise."""
-    aux = None
-    if unit.prepare is not None:
+    timed difference stands above the timer's noise. ``aux``: the unit's input when the caller
+    makes it (a proposal of the right shape), else its ``prepare`` makes it."""
+    if aux is None and unit.prepare is not None:
         args = (tflat, dflat, state)
         exe, _ = base.compiled(_prepare, (unit, prog), args, _key(*args))
         aux = exe(*args)

@@ -180,6 +180,13 @@ def generate_data(
             rows = [ids[i] for _, i in chunk]
             seed = spec.seed * 1_000_003 + k
             t_batch = time.perf_counter()
+            # the bar moves only when a batch is done: say what the wait is (the first batch
+            # also compiles; a 64-row batch of 128 tokens took minutes on 2 cores)
+            what = "compiling, then writing" if k == len(chunk) else "writing"
+            bar.set_postfix_str(
+                f"{what} {len(chunk)} {'greedy' if greedy else 'sampled'} docs of up to "
+                f"{spec.max_new} tokens", refresh=True,
+            )  # fmt: skip
             new, stats = _decode_batch(
                 target, rows, width, spec, 0.0 if greedy else spec.temperature, seed, rows_now
             )

@@ -1,0 +1,82 @@
+"""What a user waits for at the command line: ``jaxspec generate`` of 12 tokens with the embedded
+default model, in fresh processes, the first with an empty per-user folder (compiles, fills
+JAX's persistent compilation cache) and then warm (reads it), against ``--no-compile-cache``;
+and ``--method magicdec`` with ``gamma="auto"``, first measuring its cost model, then reusing
+the kept profile. Each row is a whole process, import to exit, as ``time`` shows it.
+
+    .venv/bin/python benchmarks/bench_warm_start.py [--repeats 2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import metadata, write
+
+PROMPT = "Say hi."
+GENERATE = ["generate", PROMPT, "--max-new-tokens", "12"]
+MAGICDEC = [*GENERATE, "--method", "magicdec", "--draft", "self-streaming"]
+
+
+def run(argv: list[str], home: str) -> dict:
+    """One process: its wall seconds and what its last line said (compile seconds, tok/s)."""
+    env = {**os.environ, "JAXSPEC_HOME": home}
+    env.pop("JAXSPEC_COMPILE_CACHE", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", *argv], env=env, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - t0
+    if r.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{r.stderr[-3000:]}")
+    compile_s = re.search(r"compile ([\d.]+) s", r.stderr)
+    return {
+        "wall_s": round(wall, 2),
+        "compile_s": float(compile_s.group(1)) if compile_s else None,
+        "measured": "measuring" in r.stderr,
+    }
+
+
+def series(name: str, argv: list[str], repeats: int) -> list[dict]:
+    """A cold run into a fresh folder, then ``repeats`` warm ones reading it."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxspec-warm-") as home:
+        for i in range(repeats + 1):
+            row = {"case": name, "run": "cold" if i == 0 else "warm", **run(argv, home)}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = series("generate", GENERATE, args.repeats)
+    rows += series("generate --no-compile-cache", [*GENERATE, "--no-compile-cache"], 1)
+    rows += series("generate --method magicdec (gamma auto)", MAGICDEC, 1)
+    warm = [r["wall_s"] for r in rows if r["case"] == "generate" and r["run"] == "warm"]
+    write(
+        "warm_start_cpu.json",
+        {
+            **metadata(),
+            "prompt": PROMPT,
+            "max_new_tokens": 12,
+            "warm_start_s": round(statistics.median(warm), 2),
+            "rows": rows,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
