@@ -17,4 +17,4 @@ test:  ## lint, format check and the default (fast) test suite
 	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-all:  ## every test, slow ones included
-	@$(MAKE) test PYTEST_ARGS="-m 'slow or not slow'"
+	@$(MAKE) test PYTEST_ARGS="-m 'not gpu'"

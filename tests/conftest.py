@@ -24,6 +24,7 @@ import importlib  # noqa: E402
 import pkgutil  # noqa: E402
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -47,3 +48,15 @@ with install_import_hook(["jaxspec", "pallas_kernels"], CHECKER):
         pkg = importlib.import_module(package)
         for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}."):
             importlib.import_module(info.name)
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache():
+    """No test may leave JAX's persistent compilation cache on for the tests after it (a CLI
+    call in-process with the suite's JAXSPEC_COMPILE_CACHE=off cleared turns it on, and then
+    every later compile of that process writes to disk: one such write crashed a worker)."""
+    yield
+    on = jax.config.jax_compilation_cache_dir
+    if on:
+        jax.config.update("jax_compilation_cache_dir", None)
+        pytest.fail(f"this test turned JAX's persistent compilation cache on ({on})")

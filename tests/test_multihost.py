@@ -25,6 +25,9 @@ from tests.multihost_worker import NEW, PROMPTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# the suite's own variables, kept when a test clears a job's (its home; the compile cache off)
+KEEP_ENV = ("JAXSPEC_SUPERVISED", "JAXSPEC_HOME", "JAXSPEC_COMPILE_CACHE")
+
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSPEC_")}
@@ -165,8 +168,8 @@ def test_mismatch_between_processes_is_an_error_in_each(checkpoints, tmp_path, c
     ],
 )  # fmt: skip
 def test_job_bad_inputs(argv, match, capsys, monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("JAXSPEC_") and k != "JAXSPEC_SUPERVISED":
+    for k in list(os.environ):  # the job's variables; the suite's home and cache setting stay
+        if k.startswith("JAXSPEC_") and k not in KEEP_ENV:
             monkeypatch.delenv(k)
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ counts=2
 [ "$n" -ge 8 ] && counts+=,8
 if [ "${1:-}" != decode ]; then
   bench all_reduce_test 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
-    tests/test_all_reduce.py
+    -m "gpu or not slow" tests/test_all_reduce.py
   bench all_reduce 150 python3 benchmarks/bench_all_reduce.py --devices "$counts" \
     --out "$OUT/all_reduce.json"
 fi
