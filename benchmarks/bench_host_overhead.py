@@ -1,7 +1,7 @@
 """Host time of a warm ``jaxspec.generate`` call outside the engine's device work.
 
     python benchmarks/bench_host_overhead.py [--shape smollm2|smollm2-narrow] [--new 128]
-        [--reps 20] [--out benchmarks/results/host_overhead.json]
+        [--reps 20] [--out benchmarks/results/host_overhead.json] [--keep-other-devices]
 
 For each method (autoregressive, chain with prompt lookup, tree with a 2-layer draft) one
 prompt of 64 token ids is decoded ``--reps`` times after two warm-up calls (compiles excluded),
@@ -78,6 +78,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--keep-other-devices",
+        action="store_true",
+        help="keep --out's rows of other devices (each row names its device and commit): one "
+        "file for the CPU and the H200 runs",
+    )
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
     dtype = jnp.bfloat16 if gpu else jnp.float32
@@ -85,7 +91,8 @@ def main() -> None:
     target.kernels = jaxspec.KernelConfig.from_env()
     small = truncate(target, 2)
     ids = np.random.RandomState(0).randint(4, cfg.vocab_size, (1, 64)).tolist()
-    device = metadata()["device"]
+    meta = metadata()
+    device = meta["device"]
     rows = []
     for method, draft, options in METHODS:
         d = small if draft == "draft" else draft
@@ -98,6 +105,7 @@ def main() -> None:
         outside = [w - e for w, e in zip(walls, engines, strict=True)]
         row = {
             "device": device,
+            "commit": meta["commit"],
             "method": method,
             "draft": draft,
             "outside_ms": round(statistics.median(outside), 4),
@@ -107,8 +115,12 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.keep_other_devices and args.out and pathlib.Path(args.out).is_file():
+        old = json.loads(pathlib.Path(args.out).read_text())
+        kept = [{"commit": old.get("commit"), **r} for r in old.get("rows", [])]
+        rows = [r for r in kept if r["device"] != device] + rows
     result = {
-        **metadata(),
+        **meta,
         "shape": args.shape,
         "new_tokens": args.new,
         "reps": args.reps,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Host time of a warm generate() outside the engine's program (bench_host_overhead.py), one H200:
 # random SmolLM2-135M-shape bf16 weights, B=1, 128 tokens, autoregressive / chain / tree. No GGUF.
-# About 2 minutes. Writes $OUT/host_overhead.json (results/host_overhead.json, with the CPU rows
-# of `python benchmarks/bench_host_overhead.py` merged by hand: one file, rows per device).
+# About 2 minutes. Writes $OUT/host_overhead.json; results/host_overhead.json holds these rows and
+# the CPU run's (`python benchmarks/bench_host_overhead.py --out
+# benchmarks/results/host_overhead.json --keep-other-devices` adds one device's rows to the other's).
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 import typing
@@ -197,6 +198,13 @@ def _is_a(value, kind) -> bool:
     return isinstance(value, kind)
 
 
+@functools.cache
+def _kinds(cls) -> dict[str, tuple]:
+    """Each option's accepted types, once per options class (``typing.get_type_hints``
+    evaluates the annotations anew at every call: 0.3 ms of a warm generate() on CPU)."""
+    return {n: typing.get_args(h) or (h,) for n, h in typing.get_type_hints(cls).items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Base of every engine's options: ``parse`` rejects unknown names (listing the known
@@ -212,9 +220,9 @@ class EngineOptions:
                 f"method={method!r} does not take option(s) {', '.join(unknown)}; it takes: "
                 f"{allowed}."
             )
-        hints = typing.get_type_hints(cls)
+        hints = _kinds(cls)
         for name, value in raw.items():
-            kinds = typing.get_args(hints[name]) or (hints[name],)
+            kinds = hints[name]
             if not any(_is_a(value, k) for k in kinds):
                 want = " or ".join(_KIND_NAMES.get(k, getattr(k, "__name__", "")) for k in kinds)
                 raise OptionError(f"{name} must be {want}, got {value!r}.")
