@@ -1,8 +1,11 @@
 """jaxspec distill: a short run on a tiny target whose loss falls, whose draft loads and drafts
 losslessly, resumes exactly, refuses another target, and whose CLI errors exit 2."""
 
+import dataclasses
 import json
+import re
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -209,7 +212,11 @@ def test_cli_distills_and_generates_with_the_draft(tmp_path, capsys):
     argv += ["--layers", "1", "--intermediate", "16", "--seq-len", "16", "--batch", "2"]
     argv += ["--steps", "3", "--samples", "1", "--max-new-tokens", "16", "--gen-batch", "3"]
     assert cli.main(argv) == 0
-    assert "3/3 steps" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "3/3 steps" in said.out
+    # fewer steps than a warmup: written, and the command says so with the measured acceptance
+    assert "warning: only 3 training steps" in said.err, said.err
+    assert re.search(r"Measured acceptance: \d+\.\d\d tokens per verification", said.err)
     meta = json.loads((out / "data" / "meta.json").read_text())
     assert meta["documents"] == 6 and meta["sources"][f"file:{prompts}"]["held_out"] == 0
     gen = ["generate", "w3 w4 w5", "--model", str(ckpt), "--raw", "--max-new-tokens", "12"]
@@ -264,3 +271,23 @@ def test_the_shipped_draft_drafts_for_smollm2():
     got = generate(target, prompts, draft=draft, method="chain", max_new_tokens=32, gamma=4)
     assert got.tokens == want
     assert got.stats["acceptance_length"] > 1.2
+
+
+@pytest.mark.slow
+def test_the_budget_bounds_the_whole_run(target, tmp_path):
+    """--budget-s 60 once ran 444 s (a whole 64-row data batch, then one more step, before the
+    clock was read): a run whose steps would take far longer than its budget now stops in time,
+    data, compile, steps and the draft's write inside it, give or take max(10%, 30 s); the draft
+    it stopped with is written whole."""
+    budget = 30.0
+    t0 = time.perf_counter()
+    r = D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=100_000, budget_s=budget, **RUN)
+    took = time.perf_counter() - t0
+    assert r.stopped == "budget" and (r.path / "draft.json").is_file()
+    assert took <= budget + max(0.1 * budget, 30.0), took
+    load_draft(r.path, target)  # written whole, however brief
+
+
+def test_a_run_shorter_than_a_warmup_is_too_brief(run):
+    assert not run.too_brief and run.steps >= D.BRIEF_STEPS
+    assert dataclasses.replace(run, steps=D.BRIEF_STEPS - 1).too_brief
