@@ -1,14 +1,19 @@
 """Bit-exact bf16: rows of speculative output that part from autoregressive output, and what the
 invariant numerics (``KernelConfig(invariant=True)``) cost.
 
+    python benchmarks/bench_bit_exact.py --ar-only --refs refs.json [--model ...]  # process 1
     python benchmarks/bench_bit_exact.py [--model smollm2|1b] [--prompts 16] [--new 64]
-        [--batches 1,16] [--out benchmarks/results/bit_exact.json]
+        [--batches 1,16] [--refs refs.json] [--out benchmarks/results/bit_exact.json]
 
 A ragged set of prompts (HumanEval prompts, OpenAI, MIT licence, cut to 16 lengths from 24 to
 600 tokens) decoded greedily in bf16, ``--new`` tokens each, by autoregressive decoding and by
-chain, tree and magicdec with each draft kind, in the default numerics and in the invariant ones.
+chain, tree and magicdec with each draft kind (prompt lookup, a draft model, the self-drafts'
+sparse caches, a feature head: a random one, as no trained head ships yet; it exercises the same
+numerics), in the default numerics and in the invariant ones.
 Batch 1 runs each prompt alone (the first ``--b1-prompts``), batch 16 all at once. A row
-*parts* when its tokens differ from the autoregressive tokens of the same numerics. Tokens/s is
+*parts* when its tokens differ from the autoregressive tokens of the same numerics, decoded in
+this process; with ``--refs`` (written by an earlier ``--ar-only`` process), also when they
+differ from that other process's (``parted_rows_other_process``). Tokens/s is
 the engines' own (``stats.tokens_per_s``), summed over the calls. ``smollm2`` is the real
 SmolLM2-135M-Instruct with its shipped draft (``--draft``); ``1b`` a random-weights
 Llama-3.2-1B shape with a 2-layer truncation as its draft (partings there are about numerics
@@ -19,6 +24,8 @@ only: random logits have many near-ties). Every JSON row is ``{"method", "draft"
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import time
 
 import jax.numpy as jnp
@@ -26,10 +33,11 @@ import numpy as np
 
 import jaxspec
 from benchmarks.common import humaneval_prompts, metadata, write
-from benchmarks.shapes import LLAMA32_1B
+from benchmarks.shapes import LLAMA32_1B, SMOKE
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint
 from jaxspec.io.draft_checkpoint import SHIPPED, load_draft
+from jaxspec.model.feature_head import random_head
 from jaxspec.model.transformer import truncate
 
 LENGTHS = (24, 40, 57, 80, 96, 120, 150, 180, 220, 260, 300, 350, 400, 460, 520, 600)
@@ -39,6 +47,11 @@ RUNS = (  # method, draft kind, options
     ("tree", "model", {}),
     ("magicdec", "self-streaming", {"gamma": 3, "budget": 256}),
     ("magicdec", "model", {"gamma": 3, "budget": 256}),
+    ("chain", "feature", {"gamma": 4}),
+    ("tree", "feature", {}),
+    ("magicdec", "feature", {"gamma": 3, "budget": 256}),
+    ("tree", "ngram", {}),
+    ("magicdec", "self-snapkv", {"gamma": 3, "budget": 256}),
 )
 
 
@@ -64,32 +77,46 @@ def decode(target, groups, new, kernels, **kw):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("smollm2", "1b"), default="smollm2")
+    ap.add_argument("--model", choices=("smollm2", "1b", "smoke"), default="smollm2")
     ap.add_argument("--draft", default=str(SHIPPED))
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--b1-prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--runs", default="", help="comma-separated method:draft to keep (default all)")
+    ap.add_argument("--refs", default=None, help="autoregressive tokens of another process")
+    ap.add_argument("--ar-only", action="store_true", help="write --refs and stop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    keep = {tuple(r.split(":")) for r in args.runs.split(",") if r}
+    runs = [r for r in RUNS if not keep or r[:2] in keep]
     dtype = jnp.dtype(args.dtype)
     if args.model == "smollm2":
         target = load(default_checkpoint(), dtype=dtype)
         small = load_draft(args.draft, target)
     else:
-        target = jaxspec.new_model(LLAMA32_1B, seed=0, dtype=dtype)
+        shape = SMOKE if args.model == "smoke" else LLAMA32_1B  # smoke: tiny, for a CPU check
+        target = jaxspec.new_model(shape, seed=0, dtype=dtype)
         small = truncate(target, 2)
+    head = random_head(target)
     target.kernels = jaxspec.KernelConfig.from_env()
     invariant = jaxspec.KernelConfig(invariant=True)
     prompts = prompts_for(target, args.prompts)
     payload = {**metadata(), "model": args.model, "dtype": str(dtype), "new_tokens": args.new,
                "prompt_lengths": [len(p) for p in prompts], "rows": []}  # fmt: skip
+    other = (
+        json.loads(pathlib.Path(args.refs).read_text()) if args.refs and not args.ar_only else {}
+    )
+    refs = {}
     for batch in [int(b) for b in args.batches.split(",") if b]:
         groups = [prompts] if batch > 1 else [[p] for p in prompts[: args.b1_prompts]]
         ref = {k: decode(target, groups, args.new, k)[0] for k in (None, invariant)}
-        for method, kind, opts in RUNS:
-            draft = small if kind == "model" else kind
+        refs[str(batch)] = {"default": ref[None], "invariant": ref[invariant]}
+        if args.ar_only:
+            continue
+        for method, kind, opts in runs:
+            draft = {"model": small, "feature": head}.get(kind, kind)
             t0 = time.perf_counter()
             got = {
                 k: decode(target, groups, args.new, k, method=method, draft=draft, **opts)
@@ -107,6 +134,8 @@ def main() -> None:
                     a != b for a, b in zip(got[None][0], ref[None], strict=True)
                 ),  # fmt: skip
                 "rows": len(ref[None]),
+                "parted_rows_other_process": parted(got[invariant][0], other, batch, "invariant"),
+                "parted_rows_default_other_process": parted(got[None][0], other, batch, "default"),
                 "tok_per_s_invariant": round(got[invariant][1], 1),
                 "tok_per_s_default": round(got[None][1], 1),
                 "seconds": round(time.perf_counter() - t0, 1),
@@ -117,6 +146,16 @@ def main() -> None:
             payload["rows"].append(row)
             print(row, flush=True)
             write("bit_exact.json", payload, args.out)
+    if args.ar_only:
+        pathlib.Path(args.refs).write_text(json.dumps(refs))
+        print(f"wrote {args.refs}")
+
+
+def parted(tokens, other: dict, batch: int, numerics: str) -> int | None:
+    """Rows of ``tokens`` that differ from another process's autoregressive tokens (None: no
+    such reference)."""
+    ref = other.get(str(batch), {}).get(numerics)
+    return None if ref is None else sum(a != b for a, b in zip(tokens, ref, strict=True))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ tokens/s with the shipped draft), ``first_token_ms_ctx4096`` (the wall of a one-
 the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoregressive decoding
 (bf16: a parting must be a near-tie, its top-2 logit gap reported) and ``float32_check`` runs
 the model in float32 with IEEE dots, where every method must give exactly the autoregressive
-tokens.
+tokens. ``streaming`` (unless ``--no-stream``): the same 1K calls through ``jaxspec.stream``,
+every piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over stream's,
+less one, and ``first_piece_ms`` the wait for the first piece.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import context_ids, metadata, write
-from jaxspec.api import generate
+from jaxspec.api import generate, stream
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path
 from jaxspec.io.draft_checkpoint import load_draft
@@ -62,6 +64,47 @@ def timed(model, ids, new, repeats, **kw) -> dict:
         "acceptance_length": round(last.stats["acceptance_length"], 3),
         "tokens": last.tokens[0],
     }
+
+
+def streamed(model, ids, new, repeats, **kw) -> dict:
+    """``jaxspec.stream`` of the same call, every piece consumed: median wall tokens/s and the
+    median time to the first piece (after a warm-up call)."""
+
+    def once():
+        t0 = time.perf_counter()
+        first = None
+        s = stream(model, [ids], max_new_tokens=new, **kw)
+        for _ in s:
+            first = first or time.perf_counter() - t0
+        return time.perf_counter() - t0, first, s.result
+
+    once()
+    runs = [once() for _ in range(repeats)]
+    n = runs[-1][2].stats["new_tokens"]
+    return {
+        "wall_tok_per_s": round(n / statistics.median(r[0] for r in runs), 1),
+        "first_piece_ms": round(1e3 * statistics.median(r[1] for r in runs), 2),
+        "tokens": runs[-1][2].tokens[0],
+    }
+
+
+def streaming(model, ids, args) -> dict:
+    """Streaming overhead: ``stream`` against ``generate`` of the same call (autoregressive and
+    chain + prompt lookup), the streamed tokens checked equal to the generated ones."""
+    out = {}
+    for name, kw in (("autoregressive", {}), ("chain_ngram", {"method": "chain", "draft": "ngram",
+                                                               "gamma": 8})):  # fmt: skip
+        r = streamed(model, ids, args.new, args.repeats, **kw)
+        plain = timed(model, ids, args.new, args.repeats, **kw)
+        out[name] = {
+            "stream_wall_tok_per_s": r["wall_tok_per_s"],
+            "generate_wall_tok_per_s": plain["wall_tok_per_s"],
+            "overhead": round(plain["wall_tok_per_s"] / r["wall_tok_per_s"] - 1, 4),
+            "first_piece_ms": r["first_piece_ms"],
+            "same_tokens": r["tokens"] == plain["tokens"],
+        }
+        print(f"stream {name}: {out[name]}", flush=True)
+    return out
 
 
 def parting(model, prompt, ref: list[int], got: list[int]) -> dict:
@@ -142,6 +185,7 @@ def main():
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--peer", default=None, help="the PyTorch CUDA-graph peer's script")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 exactness check")
+    ap.add_argument("--no-stream", action="store_true", help="skip the streaming overhead rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
@@ -175,6 +219,10 @@ def main():
         payload["tree_over_chain_same_draft"] = round(ratio, 3)
     if "ctx4096" in payload:
         payload["first_token_ms_ctx4096"] = payload["ctx4096"]["first_token_ms"]
+    if not args.no_stream:
+        ids = context_ids(model, contexts[0], args.new)
+        payload["streaming"] = streaming(model, ids, args)
+        write("small_model.json", payload, args.out)
     if args.peer:
         p = peer(args.peer, ids_first, args.new)
         if p is not None:

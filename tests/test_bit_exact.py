@@ -16,6 +16,7 @@ import pytest
 
 import jaxspec
 from jaxspec.model import exact
+from jaxspec.model.feature_head import random_head
 from jaxspec.model.kv_cache import Block, causal_block, init_cache
 from jaxspec.model.prefill import prefill
 from jaxspec.model.transformer import apply, full_logits
@@ -137,11 +138,14 @@ def test_speculative_equals_autoregressive_bit_for_bit_in_bf16(batch):
     runs = [("chain", "ngram", {}), ("chain", "model", {}), ("tree", "model", {}),
             ("tree", "ngram", {}), ("magicdec", "self-streaming", {"gamma": 3, "budget": 32}),
             ("magicdec", "self-snapkv", {"gamma": 2, "budget": 48}),
-            ("magicdec", "model", {"shape": "tree", "budget": 32})]  # fmt: skip
+            ("magicdec", "model", {"shape": "tree", "budget": 32}),
+            ("chain", "feature", {"gamma": 3}), ("tree", "feature", {}),
+            ("magicdec", "feature", {"gamma": 2, "budget": 32})]  # fmt: skip
+    head = random_head(target, intermediate=64)
     for ps in groups:
         ref = jaxspec.generate(target, ps, max_new_tokens=16).tokens
         for method, kind, opts in runs:
-            draft = small if kind == "model" else kind
+            draft = {"model": small, "feature": head}.get(kind, kind)
             got = jaxspec.generate(target, ps, draft=draft, method=method, max_new_tokens=16,
                                    **opts).tokens  # fmt: skip
             assert got == ref, (method, kind, batch)

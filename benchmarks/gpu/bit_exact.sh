@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Bit-exact bf16 (bench_bit_exact.py), one H200: partings from autoregressive decoding and the
-# invariant numerics' cost, for the real SmolLM2 (GGUF, README.md) and a random Llama-3.2-1B shape.
-# About 8 minutes. Writes $OUT/bit_exact.json and $OUT/bit_exact_1b.json (merged into
-# results/bit_exact.json: one file, rows per model).
+# invariant numerics' cost. One model a call: `bit_exact.sh smollm2` (the real SmolLM2, its GGUF:
+# README.md) or `bit_exact.sh 1b` (a random Llama-3.2-1B shape). Each runs twice: a first process
+# writes its autoregressive tokens (--ar-only), the second decodes every method and draft and
+# compares with its own autoregressive tokens and with the first process's. Batch 16 first, then
+# batch 1 (each prompt alone), so a call cut short keeps whole batch-16 rows. About 9 minutes.
+# Writes $OUT/bit_exact_<model>.json (merged into results/bit_exact.json: one file, rows per model).
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
-use_gguf || exit 1
-bench bit_exact 330 python3 benchmarks/bench_bit_exact.py --model smollm2 --draft "$DRAFT" \
-  --out "$OUT/bit_exact.json" "$@"
-bench bit_exact 240 python3 benchmarks/bench_bit_exact.py --model 1b --prompts 8 --b1-prompts 2 \
-  --out "$OUT/bit_exact_1b.json" "$@"
+model=${1:-smollm2}
+shift
+args=(--model "$model" --batches 16,1 --b1-prompts 2 --refs "$OUT/refs_$model.json" "$@")
+if [ "$model" = smollm2 ]; then
+  use_gguf || exit 1
+  args+=(--draft "$DRAFT")
+fi
+bench bit_exact_$model 150 python3 benchmarks/bench_bit_exact.py "${args[@]}" --ar-only
+bench bit_exact_$model 420 python3 benchmarks/bench_bit_exact.py "${args[@]}" \
+  --out "$OUT/bit_exact_$model.json"
