@@ -60,17 +60,32 @@ def rounded(x):
 def tiled_matmul(x: Float[Array, "... k"], w: Float[Array, "k n"], out_dtype=None):
     """``x @ w`` as GEMMs of ``TILE`` rows, one at a time: every row is computed by the same
     kernel for the same shape, in any program. ``out_dtype``: the result type (accumulation at
-    least as precise)."""
+    least as precise).
+
+    The tiles go through a ``while`` loop whose trip count XLA cannot see (the count passes an
+    optimisation barrier), so the GEMM sits in the same loop body whether the step has one tile
+    or many. With a visible count, a one-tile loop (a decode step of up to 16 rows) is inlined
+    into the program while a verify block's loop stays a loop, and XLA may then compile the two
+    GEMMs differently (merge the inlined one with its sibling projections, pick another kernel):
+    on an H200 that parted 15 of 16 rows of a batch-16 run from autoregressive decoding
+    (benchmarks/results/bit_exact.json, model 1b, commit 1177fe7), while batch 1, whose
+    verify blocks fit one tile too, parted none."""
     k, n = w.shape
     rows = x.size // k
     tiles = -(-rows // TILE)
     flat = jnp.pad(x.reshape(rows, k), ((0, tiles * TILE - rows), (0, 0)))
+    dtype = jnp.result_type(x.dtype, w.dtype) if out_dtype is None else out_dtype
+    count = rounded(jnp.int32(tiles))
 
-    def one(tile):
-        return rounded(jnp.matmul(rounded(tile), w, preferred_element_type=out_dtype))
+    def body(carry):
+        i, out = carry
+        tile = rounded(jax.lax.dynamic_slice_in_dim(flat, i * TILE, TILE))
+        y = rounded(jnp.matmul(tile, w, preferred_element_type=out_dtype).astype(dtype))
+        return i + 1, jax.lax.dynamic_update_slice_in_dim(out, y, i * TILE, 0)
 
-    y = jax.lax.map(one, flat.reshape(tiles, TILE, k))
-    return y.reshape(tiles * TILE, n)[:rows].reshape(*x.shape[:-1], n)
+    start = (jnp.int32(0), jnp.zeros((tiles * TILE, n), dtype))
+    _, y = jax.lax.while_loop(lambda c: c[0] < count, body, start)
+    return y[:rows].reshape(*x.shape[:-1], n)
 
 
 def exact_rms(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
