@@ -16,6 +16,6 @@ if [ "$model" = smollm2 ]; then
   use_gguf || exit 1
   args+=(--draft "$DRAFT")
 fi
-bench bit_exact_$model 150 python3 benchmarks/bench_bit_exact.py "${args[@]}" --ar-only
-bench bit_exact_$model 420 python3 benchmarks/bench_bit_exact.py "${args[@]}" \
+bench bit_exact_$model 240 python3 benchmarks/bench_bit_exact.py "${args[@]}" --ar-only
+bench bit_exact_$model 330 python3 benchmarks/bench_bit_exact.py "${args[@]}" \
   --out "$OUT/bit_exact_$model.json"
