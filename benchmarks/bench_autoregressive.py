@@ -17,6 +17,7 @@ import numpy as np
 from benchmarks.common import context_ids, default_dtype, default_target, ints, metadata, write
 from jaxspec.api import generate
 from jaxspec.io.default_model import default_gguf_path
+from jaxspec.model.quantized import is_quantized_model
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -97,7 +98,9 @@ def main():
     same = int(np.argmin(np.array(ours + [-1]) == np.array(hf_tokens[: len(ours)] + [-2])))
     payload = {
         **metadata(),
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
+        "jaxspec_weights": "kept quantized" if is_quantized_model(model) else "dequantized",
+        "hf_weights": "dequantized (transformers' GGUF loader)",
         "kernels": model.net().kernels.describe(),
         "prompt": PROMPT,
         "new_tokens": r.stats["new_tokens"],

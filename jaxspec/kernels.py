@@ -57,8 +57,8 @@ DEFAULTS = {
         row_padding="stream",
         prefill_chunk=256,
         loop_chunk=1,  # the stop check is cheap; steps after the last row is done are waste
-        # quantized weights: dequantize, then XLA's dot; so the real SmolLM2 Q4_1 decoded 1.6x
-        # faster than dequantized once at load (jaxspec.io.convert.KEEP_QUANTIZED)
+        # quantized weights kept (load(quantized=True)): dequantize, then XLA's dot (the
+        # Pallas kernels are GPU kernels); jaxspec.io.convert.KEEP_QUANTIZED has the timings
         quant_matmul="xla",
         # the measured-safe form until the explicit step is measured (forced host devices share
         # the cores: a CPU says nothing of a GPU's collectives)

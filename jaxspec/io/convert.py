@@ -319,16 +319,16 @@ def _int_keys(tree):
 
 
 # Whether ``load`` keeps a quantized checkpoint's weights quantized, by backend (else it
-# dequantizes them once). CPU: kept. The real SmolLM2-135M Q4_1, autoregressive, B=1, 64 tokens
-# (benchmarks/results/quantized.json, section "cpu", one run on a shared 2-core CPU): 13.1 tok/s
-# kept quantized against 8.3 dequantized to float32, 17.0 against 10.5 in bfloat16: XLA's CPU
-# dots read the packed codes and scales, fewer bytes than the float weights.
-# GPU: dequantized to bfloat16 at load. One H200 (benchmarks/results/quantized.json, section
-# "gpu", commit 1177fe7): a SmolLM2-135M-shape decode step at 1K took 1.098 ms with its GGUF
-# layout kept quantized against 0.635 ms in bf16, and a Llama-3-8B-shape step at 4K 29.6 ms in
-# int8 and 13.1 ms in int4 against 4.89 ms in bf16: the dequantizing kernels stream the packed
-# bytes at 0.4-0.7 TB/s, far from the bf16 GEMMs' rate, so keeping them costs time there.
-KEEP_QUANTIZED = {"cpu": True, "gpu": False}
+# dequantizes them once, to the load's dtype). Both dequantize, as measured:
+# CPU: the real SmolLM2-135M Q4_1, autoregressive, B=1, 64 tokens, on the quiet 2-core CPU
+# (benchmarks/results/quantized.json, section "cpu", commit 05f397c): 54.4 tok/s kept quantized
+# against 61.8 dequantized to float32 (the CPU's default dtype), 57.4 against 56.0 in bfloat16.
+# (An earlier run on a loaded machine had favoured the packed weights, 13.1 against 8.3.)
+# GPU: one H200 (the same file, section "gpu", commit 1177fe7): a SmolLM2-135M-shape decode step
+# at 1K took 1.098 ms with its GGUF layout kept quantized against 0.635 ms in bf16, and a
+# Llama-3-8B-shape step at 4K 29.6 ms in int8 and 13.1 ms in int4 against 4.89 ms in bf16: the
+# dequantizing kernels stream the packed bytes at 0.4-0.7 TB/s, far from the bf16 GEMMs' rate.
+KEEP_QUANTIZED = {"cpu": False, "gpu": False}
 
 
 def load(

@@ -69,10 +69,10 @@ def default_checkpoint(
 ) -> pathlib.Path:
     """The converted default model under ``root`` (default: ``places.checkpoints()``, the
     checkout's ``checkpoints/`` or the user cache folder's), converting it on first use. Its
-    Q8_0 / Q4_1 blocks are kept quantized (``convert``'s ``quantize="source"``), and ``load``
-    keeps them so (``KEEP_QUANTIZED``). float32 by default, so that its logits match
-    transformers' float32 dequantization of the same GGUF (they are the same weights to the
-    bit)."""
+    Q8_0 / Q4_1 blocks are kept quantized (``convert``'s ``quantize="source"``); ``load``
+    dequantizes them or not by backend (``KEEP_QUANTIZED``). float32 by default, so that its
+    logits match transformers' float32 dequantization of the same GGUF (they are the same
+    weights to the bit)."""
     root = pathlib.Path(root).expanduser() if root is not None else places.checkpoints()
     name = CHECKPOINT_NAME if dtype in ("float32", "f32") else f"{CHECKPOINT_NAME}-{dtype}"
     dst = root / name
