@@ -185,3 +185,20 @@ def test_invariant_mode_keeps_the_drafts_fast_numerics():
     r = jaxspec.generate(target, [[5, 6, 7]], draft="self-streaming", method="chain",
                          max_new_tokens=4, kernels=INVARIANT, budget=32)  # fmt: skip
     assert r.call.prog.net.kernels.invariant and not r.call.prog.draft.net.kernels.invariant
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_an_invariant_gemm_is_the_same_loop_for_any_row_count(rows):
+    """A one-tile step must not be compiled apart from a many-tile one: XLA inlines a loop whose
+    trip count it sees to be 1 (as it did ``lax.map``'s), and a GPU then built another GEMM for
+    it (benchmarks/notes/bit_exact.md). Every row count keeps the one loop with the one GEMM."""
+    rng = np.random.RandomState(rows)
+    x = jnp.asarray(rng.randn(rows, 256), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(256, 96), jnp.bfloat16)
+    fn = jax.jit(lambda a, b: exact.tiled_matmul(a, b, jnp.float32))
+    hlo = fn.lower(x, w).compile().as_text()
+    assert hlo.count(" while(") == 1, hlo[-3000:]
+    dots = {line.split("=")[1].split()[0] for line in hlo.splitlines() if " dot(" in line}
+    assert dots == {f"f32[{exact.TILE},96]{{1,0}}"}, dots
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(fn(x, w)), want, rtol=1e-5, atol=1e-4)

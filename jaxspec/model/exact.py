@@ -67,9 +67,8 @@ def tiled_matmul(x: Float[Array, "... k"], w: Float[Array, "k n"], out_dtype=Non
     or many. With a visible count, a one-tile loop (a decode step of up to 16 rows) is inlined
     into the program while a verify block's loop stays a loop, and XLA may then compile the two
     GEMMs differently (merge the inlined one with its sibling projections, pick another kernel):
-    on an H200 that parted 15 of 16 rows of a batch-16 run from autoregressive decoding
-    (benchmarks/results/bit_exact.json, model 1b, commit 1177fe7), while batch 1, whose
-    verify blocks fit one tile too, parted none."""
+    on an H200 that parted 15 of 16 rows of a batch-16 run from autoregressive decoding, while
+    batch 1, whose verify blocks fit one tile too, parted none (benchmarks/notes/bit_exact.md)."""
     k, n = w.shape
     rows = x.size // k
     tiles = -(-rows // TILE)
