@@ -87,8 +87,17 @@ def main() -> None:
     ap.add_argument("--runs", default="", help="comma-separated method:draft to keep (default all)")
     ap.add_argument("--refs", default=None, help="autoregressive tokens of another process")
     ap.add_argument("--ar-only", action="store_true", help="write --refs and stop")
+    ap.add_argument(
+        "--plain-draft", action="store_true",
+        help="the draft without its GPU kernels (fused and Pallas attention off), to tell a "
+        "draft kernel's effect on the target from the target's own numerics",
+    )  # fmt: skip
+    ap.add_argument("--merge", nargs="+", default=None, help="join these outputs' rows and stop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.merge:
+        write("bit_exact.json", merged(args.merge), args.out)
+        return
     keep = {tuple(r.split(":")) for r in args.runs.split(",") if r}
     runs = [r for r in RUNS if not keep or r[:2] in keep]
     dtype = jnp.dtype(args.dtype)
@@ -101,10 +110,14 @@ def main() -> None:
         small = truncate(target, 2)
     head = random_head(target)
     target.kernels = jaxspec.KernelConfig.from_env()
-    invariant = jaxspec.KernelConfig(invariant=True)
+    plain = dict(fused_attention="off", fused_linear="off", fused_commit="off")
+    invariant = jaxspec.KernelConfig(
+        invariant=True, **(dict(plain, attention="reference") if args.plain_draft else {})
+    )  # the target's resolved kernels are the same either way; the draft keeps the rest
     prompts = prompts_for(target, args.prompts)
     payload = {**metadata(), "model": args.model, "dtype": str(dtype), "new_tokens": args.new,
-               "prompt_lengths": [len(p) for p in prompts], "rows": []}  # fmt: skip
+               "prompt_lengths": [len(p) for p in prompts],
+               "draft_kernels": "plain" if args.plain_draft else "default", "rows": []}  # fmt: skip
     other = (
         json.loads(pathlib.Path(args.refs).read_text()) if args.refs and not args.ar_only else {}
     )
@@ -139,6 +152,7 @@ def main() -> None:
                 "tok_per_s_invariant": round(got[invariant][1], 1),
                 "tok_per_s_default": round(got[None][1], 1),
                 "seconds": round(time.perf_counter() - t0, 1),
+                "first_parted": first_parted(got[invariant][0], ref[invariant]),
             }
             row["invariant_over_default"] = round(
                 row["tok_per_s_invariant"] / row["tok_per_s_default"], 3
@@ -149,6 +163,28 @@ def main() -> None:
     if args.ar_only:
         pathlib.Path(args.refs).write_text(json.dumps(refs))
         print(f"wrote {args.refs}")
+
+
+def first_parted(tokens, ref) -> list[dict]:
+    """Each parted row: its index, the first token index where it parts, both tokens there."""
+    out = []
+    for row, (a, b) in enumerate(zip(tokens, ref, strict=True)):
+        i = next(
+            (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        if a != b:
+            out.append({"row": row, "index": i, "spec": a[i : i + 1], "ar": b[i : i + 1]})
+    return out
+
+
+def merged(paths: list[str]) -> dict:
+    """One payload of several runs' outputs (processes that split the runs between them): the
+    first one's metadata, every row in ``RUNS`` order, batch 16 before batch 1."""
+    parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    order = {r[:2]: i for i, r in enumerate(RUNS)}
+    rows = [r for p in parts for r in p["rows"]]
+    rows.sort(key=lambda r: (-r["batch"], order[(r["method"], r["draft"])]))
+    return {**parts[0], "processes": len(parts), "rows": rows}
 
 
 def parted(tokens, other: dict, batch: int, numerics: str) -> int | None:
