@@ -129,18 +129,21 @@ def attend(
     """Grouped-query attention as ``pallas_kernels.reference.attend`` (prefix plus the allowed
     block slots; a query that sees nothing gives zeros), every sum exact: the result depends on
     the set of visible keys only, not on their slots, the cache's size or the other queries.
-    Queries go ``TILE`` at a time (the products of a tile over the whole cache fit in memory)."""
+    Queries go at most ``TILE`` at a time (the products of a tile over the whole cache fit in
+    memory); a step of fewer is one tile of its own size, not padded (a query's sums are exact
+    for any tile, and a decode step's one query would otherwise cost sixteen)."""
     b, t, h, hd = q.shape
     kh = k.shape[2]
-    tiles = -(-t // TILE)
-    pad = tiles * TILE - t
+    size = min(t, TILE)
+    tiles = -(-t // size)
+    pad = tiles * size - t
     qg = q.reshape(b, t, kh, h // kh, hd).astype(jnp.float32).transpose(0, 2, 3, 1, 4)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
     mask = visible(length, jnp.pad(block_mask, ((0, 0), (0, pad), (0, 0))), k.shape[1])
     kf = k.astype(jnp.float32).transpose(0, 2, 1, 3)
     vf = v.astype(jnp.float32).transpose(0, 2, 1, 3)
-    qt = qg.reshape(b, kh, h // kh, tiles, TILE, hd).transpose(3, 0, 1, 2, 4, 5)
-    mt = mask.reshape(b, tiles, TILE, -1).transpose(1, 0, 2, 3)[:, :, None, None]
+    qt = qg.reshape(b, kh, h // kh, tiles, size, hd).transpose(3, 0, 1, 2, 4, 5)
+    mt = mask.reshape(b, tiles, size, -1).transpose(1, 0, 2, 3)[:, :, None, None]
     out = jax.lax.map(lambda a: _attend_tile(a[0], kf, vf, a[1]), (qt, mt))
-    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kh, h // kh, tiles * TILE, hd)[..., :t, :]
+    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(b, kh, h // kh, tiles * size, hd)[..., :t, :]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)
