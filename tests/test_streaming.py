@@ -129,3 +129,43 @@ def test_real_tokenizer_pieces_join_to_its_decoding():
     noise = rng.randint(0, tok.vocab_size, 64).tolist()  # whatever a model may write
     pieces, full = _pieces_of(tok, noise)
     assert "".join(pieces) == full
+
+
+def test_a_piece_never_waits_for_the_next_segments_launch(models, monkeypatch):
+    """On a GPU launching a segment holds the launching thread until its loop ends. Here every
+    segment's launch blocks until the consumer holds the piece before it: a stream that launched
+    the next segment on the consumer's thread before handing out the last piece would deadlock
+    (the launch times out and the stream raises); the worker-thread launches let it finish."""
+    import threading
+
+    from jaxspec.engines import streaming
+
+    target = models[0]
+    received, launches = threading.Semaphore(0), []
+    real = streaming.compiled
+
+    def compiled(fn, *a, **kw):
+        exe, seconds = real(fn, *a, **kw)
+        if fn is not streaming._stream_segment:
+            return exe, seconds
+
+        def launch(*args):
+            launches.append(threading.current_thread().name)
+            if not received.acquire(timeout=30):  # the piece before this segment's
+                raise TimeoutError("a segment launch waited for a piece that never came")
+            return exe(*args)
+
+        return launch, seconds
+
+    monkeypatch.setattr(streaming, "compiled", compiled)
+    prompts = tiny.prompts(1, lengths=(9,))  # one row: a piece per segment
+    ref = jaxspec.generate(target, prompts, max_new_tokens=6)
+    s = jaxspec.stream(target, prompts, max_new_tokens=6, segment_steps=1)
+    tokens = []
+    for p in s:
+        tokens += p.tokens
+        if p.tokens:
+            received.release()
+    assert tokens == ref.tokens[0]
+    assert len(launches) >= len(tokens) - 1 >= 4  # a launch per step after the prefill's token
+    assert set(launches) == {"jaxspec-stream"}

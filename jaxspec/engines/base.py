@@ -16,9 +16,9 @@ Shared here: the output bookkeeping (``Out``, ``first``, ``emit``), the loop (``
 the stats types, and the one compile cache (``compiled``), keyed by the program, the weights'
 layout and the argument shapes, so a warm call costs a dict lookup and a dispatch.
 
-long: the interface, the options' parsing, the loop and its streamed segments, the stats and the
-compile cache are the one contract every engine and measurement shares; cut apart, each piece
-would import the others.
+long: the interface, the options' parsing, the loop, the stats and the compile cache are the one
+contract every engine and measurement shares; cut apart, each piece would import the others.
+The streamed loop's segments are ``engines/streaming.py``.
 """
 
 from __future__ import annotations
@@ -385,6 +385,8 @@ class Engine:
         """``run``, as a generator: yields ``(tokens [B, max_new], count [B])`` (numpy) after the
         prefill and after each segment of at most ``steps`` loop iterations (``segments``), and
         returns the ``Run``. The tokens are exactly ``run``'s."""
+        from jaxspec.engines.streaming import segments  # it builds on this module
+
         out, wall_s, compile_s = yield from segments(
             self, prog, target.weights, draft, ids, lens, seed, steps=steps, progress=progress
         )
@@ -516,81 +518,3 @@ def loop_name(engine: Engine, prog) -> str:
         f"the {engine.name} loop (batch {req.batch}, prompts padded to {req.width} tokens, "
         f"{req.max_new} new tokens)"
     )
-
-
-# ---------------------------------------------------------------- streaming
-
-# Loop iterations per streamed segment (``segments``), by backend. A segment boundary costs the
-# device one loop exit and one more program launch (the next segment is already queued, so the
-# device never waits on the host) plus a copy of the small output; a GPU decode step of the
-# SmolLM2 shape takes ~0.8 ms (small_model.json: 1293 tok/s), so 32 iterations (~25 ms, ~40
-# updates a second) keep that cost far below the 5% allowed (benchmarks/bench_streaming.py
-# measures 4..64). A CPU step takes tens of milliseconds, so there every iteration is a segment.
-STREAM_STEPS = {"gpu": 32, "cpu": 1}
-
-
-def stream_steps(steps=None) -> int:
-    """Iterations per streamed segment: ``steps``, else this backend's ``STREAM_STEPS``."""
-    if steps is None:
-        return STREAM_STEPS["gpu" if jax.default_backend() == "gpu" else "cpu"]
-    return positive_int("segment_steps", steps)
-
-
-def _stream_init(static, tflat, dflat, ids, lens, seed):
-    engine, prog = static
-    s = engine.init(prog, tflat, dflat, ids, lens, seed)
-    return s, s.out
-
-
-def _stream_segment(static, tflat, dflat, s, limit):
-    engine, prog = static
-    s = until_done(lambda s: engine.step(prog, tflat, dflat, s), s, prog.chunk, limit)
-    return s, s.out  # the output twice: the state's is donated to the next segment
-
-
-def segments(
-    engine: Engine, prog, target: Weights, draft: Weights | None, ids, lens, seed: int, *,
-    steps: int, progress=None,
-):  # fmt: skip
-    """The engine's on-device loop (``init``, then ``step`` until done) in segments: a compiled
-    ``segment`` program runs at most ``steps`` iterations on the state, which it donates and
-    returns, and a copy of the output (``Out``, a few KB). The next segment is dispatched before
-    the host reads the previous one's output, so the device never waits on the host. Yields
-    ``(tokens, count)`` (numpy) after the prefill and after each segment; returns (the final
-    ``Out`` as numpy, wall seconds, compile seconds). The iterations are the whole loop's, split
-    at segment boundaries, so the tokens are exactly ``decode``'s."""
-    seed = np.uint32(seed)
-    dflat = None if draft is None else draft.flat
-    static, key = (engine, prog), _run_key(target, draft, ids, lens, seed)
-    what = loop_name(engine, prog)
-    first, compile_s = compiled(
-        _stream_init, static, (target.flat, dflat, ids, lens, seed), key, progress=progress,
-        what=f"the prefill of {what}",
-    )  # fmt: skip
-    t0 = time.perf_counter()
-    s, snap = first(target.flat, dflat, ids, lens, seed)
-    limit = np.int32(steps)
-    # compiled while the prefill runs; its seconds are taken out of the wall below
-    seg, seg_compile_s = compiled(
-        _stream_segment, static, (target.flat, dflat, s, limit), key, donate=(2,),
-        progress=progress, what=f"a segment of {what}",
-    )  # fmt: skip
-    pending = collections.deque([_fetching(snap)])
-    s, snap = seg(target.flat, dflat, s, limit)
-    pending.append(_fetching(snap))
-    while True:
-        out = jax.device_get(pending.popleft())
-        if bool(out.done.all()):
-            wall_s = time.perf_counter() - t0 - seg_compile_s
-            yield out.tokens, out.count
-            return out, wall_s, compile_s + seg_compile_s
-        s, snap = seg(target.flat, dflat, s, limit)
-        pending.append(_fetching(snap))
-        yield out.tokens, out.count
-
-
-def _fetching(out: Out) -> Out:
-    """``out`` with its copy to the host started as soon as the device has it."""
-    for x in jax.tree.leaves(out):
-        x.copy_to_host_async()
-    return out
