@@ -420,7 +420,12 @@ def context_rows_table(d: dict) -> str:
     if "peer_tok_per_s_b1" in d:
         facts.append(f"PyTorch CUDA-graph peer: {fmt(d['peer_tok_per_s_b1'])} tok/s")
     setup = ", ".join(f"{k} {fmt(d[k])}" for k in ("model", "new_tokens") if k in d)
-    return table(head, out) + "\n\n" + "; ".join([setup, *facts]) + "."
+    text = table(head, out) + "\n\n" + "; ".join([setup, *facts]) + "."
+    if "streaming" in d:  # jaxspec.stream against generate() of the same calls
+        cols = ("stream_wall_tok_per_s", "generate_wall_tok_per_s", "overhead", "first_piece_ms")
+        rows = [[run, *(fmt(r[c]) for c in cols)] for run, r in d["streaming"].items()]
+        text += "\n\nStreaming:\n\n" + table(["run", *cols], rows)
+    return text
 
 
 def kernels_table(d: dict) -> str:
