@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspec.engines import ENGINES, base, streaming
+from jaxspec.engines import ENGINES, base
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.measure import tuning
@@ -227,15 +227,15 @@ def stream(
     (each prompt's new tokens and their text), then read ``stream.result``, the
     ``GenerationResult`` ``generate`` would have returned. Same arguments, same engines, the
     same tokens: the engine's on-device loop runs in segments of at most ``segment_steps``
-    iterations (default: ``engines.streaming.STREAM_STEPS`` of this backend), run back to back
-    by a worker thread (``engines.streaming.segments``). SwiftSpec's loops yield once, at
+    iterations (default: ``engines.base.STREAM_STEPS`` of this backend), run back to back
+    by a worker thread (``engines.base.segments``). SwiftSpec's loops yield once, at
     the end. Joined, a prompt's pieces are exactly its ``result.tokens`` and ``result.text``."""
     call = prepare(
         target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
         kernels=kernels, progress=progress, profile_dir=profile_dir, **method_options,
     )  # fmt: skip
-    return Stream(call, streaming.stream_steps(segment_steps))
+    return Stream(call, base.stream_steps(segment_steps))
 
 
 @dataclasses.dataclass(frozen=True)
