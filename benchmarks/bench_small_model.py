@@ -90,20 +90,23 @@ def streamed(model, ids, new, repeats, **kw) -> dict:
 
 def streaming(model, ids, args) -> dict:
     """Streaming overhead: ``stream`` against ``generate`` of the same call (autoregressive and
-    chain + prompt lookup), the streamed tokens checked equal to the generated ones."""
+    chain + prompt lookup), at each ``--stream-steps`` segment length, the streamed tokens
+    checked equal to the generated ones. Rows ``<run>@<steps>``."""
     out = {}
     for name, kw in (("autoregressive", {}), ("chain_ngram", {"method": "chain", "draft": "ngram",
                                                                "gamma": 8})):  # fmt: skip
-        r = streamed(model, ids, args.new, args.repeats, **kw)
         plain = timed(model, ids, args.new, args.repeats, **kw)
-        out[name] = {
-            "stream_wall_tok_per_s": r["wall_tok_per_s"],
-            "generate_wall_tok_per_s": plain["wall_tok_per_s"],
-            "overhead": round(plain["wall_tok_per_s"] / r["wall_tok_per_s"] - 1, 4),
-            "first_piece_ms": r["first_piece_ms"],
-            "same_tokens": r["tokens"] == plain["tokens"],
-        }
-        print(f"stream {name}: {out[name]}", flush=True)
+        for steps in [int(x) for x in args.stream_steps.split(",") if x]:
+            r = streamed(model, ids, args.new, args.repeats, segment_steps=steps, **kw)
+            row = out[f"{name}@{steps}"] = {
+                "segment_steps": steps,
+                "stream_wall_tok_per_s": r["wall_tok_per_s"],
+                "generate_wall_tok_per_s": plain["wall_tok_per_s"],
+                "overhead": round(plain["wall_tok_per_s"] / r["wall_tok_per_s"] - 1, 4),
+                "first_piece_ms": r["first_piece_ms"],
+                "same_tokens": r["tokens"] == plain["tokens"],
+            }
+            print(f"stream {name}@{steps}: {row}", flush=True)
     return out
 
 
@@ -170,11 +173,12 @@ def peer(path: str, ids: list[int], new: int) -> dict | None:
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    rows = [x for x in rows if "tok_per_s_whole_call" in x]
-    if not rows:
-        print("peer failed:", r.stderr[-1500:], flush=True)
+    graph = [x for x in rows if x.get("label", "").startswith("torch_cudagraph_real")]
+    if not graph or "tok_per_s_whole_call" not in graph[-1]:
+        print("peer failed:", rows, r.stderr[-1500:], flush=True)
         return None
-    return rows[-1]
+    # the CUDA-graph row is the peer; HF's own rows (eager, static + compiled) ride along
+    return {**graph[-1], "others": [x for x in rows if x is not graph[-1] and "label" in x]}
 
 
 def summarise(payload: dict, ctx: int) -> None:
@@ -189,6 +193,17 @@ def summarise(payload: dict, ctx: int) -> None:
         payload["tree_over_chain_same_draft"] = round(ratio, 3)
 
 
+def merged(first: str, more: str) -> dict:
+    """``first``'s payload with the contexts of ``more`` that it lacks, each with the commit and
+    command that measured it."""
+    a, b = (json.loads(pathlib.Path(p).read_text()) for p in (first, more))
+    for key in sorted(k for k in b if k.startswith("ctx") and k not in a):
+        a[key] = {**b[key], "commit": b["commit"], "command": b["command"]}
+    if "ctx4096" in a:
+        a["first_token_ms_ctx4096"] = a["ctx4096"]["first_token_ms"]
+    return a
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
@@ -198,8 +213,18 @@ def main():
     ap.add_argument("--peer", default=None, help="the PyTorch CUDA-graph peer's script")
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 exactness check")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming overhead rows")
+    ap.add_argument("--stream-steps", default="32", help="segment lengths to stream at")
+    ap.add_argument(
+        "--merge",
+        nargs=2,
+        default=None,
+        metavar=("FIRST", "MORE"),
+        help="FIRST's output with MORE's contexts added (two calls' runs), and stop",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.merge:
+        return write("small_model.json", merged(*args.merge), args.out)
     gpu = jax.default_backend() == "gpu"
     model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
     model.kernels = KernelConfig.from_env()

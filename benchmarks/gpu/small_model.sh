@@ -13,4 +13,4 @@ use_gguf || exit 1
 peer=()
 [ -f ~/peer/torch_cudagraph.py ] && peer=(--peer ~/peer/torch_cudagraph.py)
 bench small_model 570 python3 benchmarks/bench_small_model.py --draft "$DRAFT" --new 128 \
-  --repeats 3 "${peer[@]}" --out "$OUT/small_model.json" "$@"
+  --repeats 3 --stream-steps 16,32,64,128 "${peer[@]}" --out "$OUT/small_model.json" "$@"

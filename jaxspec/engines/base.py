@@ -598,6 +598,7 @@ def segments(
             out = done.get()
             if isinstance(out, BaseException):
                 raise out
+            out = jax.device_get(out)
         wall_s = time.perf_counter() - t0 - seg_compile_s
         yield out.tokens, out.count
         return out, wall_s, compile_s + seg_compile_s
@@ -617,14 +618,15 @@ if hasattr(threading, "_register_atexit"):  # as concurrent.futures stops its wo
 
 def _dispatch(segment, s, done: queue.SimpleQueue, stop: threading.Event) -> None:
     """``segments``' worker: run ``segment`` on the state until every row is done (or ``stop``),
-    putting each segment's output, fetched, on ``done`` (an exception instead, if one is
-    raised)."""
+    putting each segment's output on ``done`` with its copy to the host started (an exception
+    instead, if one is raised). The consumer waits for the copy; the worker launches the next
+    segment at once and reads only the small ``done`` flags, on the state the next launch
+    would otherwise consume."""
     try:
         while not stop.is_set():
             s, snap = segment(s)
-            out = jax.device_get(_fetching(snap))
-            done.put(out)
-            if bool(out.done.all()):
+            done.put(_fetching(snap))
+            if bool(np.asarray(snap.done).all()):
                 return
     except BaseException as e:  # the consumer re-raises it
         done.put(e)
