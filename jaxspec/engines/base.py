@@ -522,12 +522,13 @@ def loop_name(engine: Engine, prog) -> str:
 
 # ---------------------------------------------------------------- streaming
 
-# Loop iterations per streamed segment (``segments``), by backend. A segment boundary costs the
-# device one loop exit, one more program launch and a copy of the small output; a GPU decode
-# step of the SmolLM2 shape takes ~0.7 ms (small_model.json), so 32 iterations (~22 ms, ~45
-# updates a second) keep that far below the 5% allowed. A CPU step takes tens of milliseconds,
-# so there every iteration is a segment.
-STREAM_STEPS = {"gpu": 32, "cpu": 1}
+# Loop iterations per streamed segment (``segments``), by backend. A segment boundary costs
+# about 1.7 ms on an H200 (a loop exit, a program launch, the output's copy): streaming 128 tokens
+# of SmolLM2 at 1K context cost 20/10/5.9/3.0% of autoregressive tokens/s at 16/32/64/128
+# iterations, and 15/6.3/1.2/1.1% for chain + ngram (benchmarks/results/small_model.json, at
+# bcf7f49). 64 (a piece every ~40 ms, ~23 a second) is the shortest near the 5% allowed. A CPU
+# step takes tens of milliseconds, so there every iteration is a segment.
+STREAM_STEPS = {"gpu": 64, "cpu": 1}
 
 
 def stream_steps(steps=None) -> int:
