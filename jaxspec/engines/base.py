@@ -40,6 +40,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from jaxspec import distributed
+from jaxspec.engines import executables
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import init_cache
@@ -448,16 +449,34 @@ def compiled(
         if exe is not None:
             _COMPILED.move_to_end(full)
             return exe, 0.0
-        if progress is not None:
-            progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
         with Timer() as t:
-            donated = tuple(i + 1 for i in donate)
-            jitted = jax.jit(fn, static_argnums=0, donate_argnums=donated)
-            exe = jitted.lower(static, *args).compile(compiler_options=compiler_options(static))
+            exe = _compile(fn, static, args, key, donate, progress, what)
         _COMPILED[full] = exe
         while len(_COMPILED) > MAX_PROGRAMS:
             _COMPILED.popitem(last=False)
     return exe, t.s
+
+
+def _compile(fn, static, args, key, donate, progress, what: str):
+    """A program not in memory: from the disk store (``executables``, when JAX's persistent
+    cache is on) without tracing it, else traced, compiled and kept there."""
+    options = compiler_options(static)
+    where = executables.folder()
+    name = None if where is None else executables.digest(fn, static, key, donate, options)
+    if name is not None:
+        exe = executables.load(where, name)
+        if exe is not None:
+            return exe
+    if progress is not None:
+        progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
+    donated = tuple(i + 1 for i in donate)
+    lowered = jax.jit(fn, static_argnums=0, donate_argnums=donated).lower(static, *args)
+    if name is None:
+        return lowered.compile(compiler_options=options)
+    with executables.fresh():
+        exe = lowered.compile(compiler_options=options)
+    executables.keep(where, name, exe)
+    return exe
 
 
 def compiler_options(static) -> dict:

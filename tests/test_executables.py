@@ -1,0 +1,122 @@
+"""Programs kept on disk (``jaxspec.engines.executables``): a later compile of the same program
+loads it without tracing, another program is never taken for it, and what cannot be described
+exactly is never kept."""
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.engines import ENGINES, base, executables
+
+LOADS = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    factor: float
+    label: str = "x"
+
+
+def _scaled(static: Scale, x):
+    return jnp.sin(x) * static.factor
+
+
+@pytest.fixture(autouse=True)
+def _loads(monkeypatch):
+    """Each look in the store, as ``LOADS``: whether it found the program (JAX keeps compiled
+    programs of its own within a process, so counting XLA compiles cannot tell)."""
+    LOADS.clear()
+    load = executables.load
+
+    def spy(where, name):
+        exe = load(where, name)
+        LOADS.append(exe is not None)
+        return exe
+
+    monkeypatch.setattr(executables, "load", spy)
+
+
+@contextlib.contextmanager
+def _store(folder):
+    """JAX's persistent cache on in ``folder`` (and so the store in ``folder/jaxspec``)."""
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    try:
+        yield folder / "jaxspec"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+
+
+def _compile(static, x):
+    """``base.compiled`` as if this process had never compiled ``static`` (not in memory)."""
+    for full in [k for k in base._COMPILED if k[0] is _scaled]:
+        del base._COMPILED[full]
+    return base.compiled(_scaled, static, (x,), base.shapes_key(x))[0]
+
+
+def test_a_kept_program_is_read_back_by_a_later_compile(tmp_path):
+    x = jnp.asarray(np.random.RandomState(1).randn(7).astype(np.float32))
+    with _store(tmp_path) as kept:
+        first = _compile(Scale(3.0), x)
+        assert LOADS == [False] and len(list(kept.glob("*.exe"))) == 1
+        again = _compile(Scale(3.0), x)
+        assert LOADS == [False, True] and again is not first
+        np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+        np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(jnp.sin(x) * 3.0))
+        _compile(Scale(3.0, "y"), x)  # another static program: its own
+        four = _compile(Scale(4.0), x)
+        assert LOADS == [False, True, False, False] and len(list(kept.glob("*.exe"))) == 3
+        np.testing.assert_array_equal(np.asarray(four(x)), np.asarray(jnp.sin(x) * 4.0))
+        _compile(Scale(3.0), x[:5])  # other shapes: another program
+        assert LOADS[-1] is False and len(list(kept.glob("*.exe"))) == 4
+
+
+def test_a_damaged_kept_program_is_compiled_again(tmp_path):
+    x = jnp.arange(4, dtype=jnp.float32)
+    with _store(tmp_path) as kept:
+        _compile(Scale(2.0), x)
+        (path,) = kept.glob("*.exe")
+        path.write_bytes(path.read_bytes()[:100])
+        exe = _compile(Scale(2.0), x)
+        assert LOADS == [False, False] and path.stat().st_size > 100
+        np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(jnp.sin(x) * 2.0))
+        _compile(Scale(2.0), x)
+        assert LOADS == [False, False, True]
+
+
+def test_without_the_persistent_cache_nothing_is_kept(tmp_path):
+    assert executables.folder() is None
+    x = jnp.ones(3)
+    _compile(Scale(5.0), x)
+    _compile(Scale(5.0), x)
+    assert LOADS == []
+
+
+def test_only_exact_descriptions_make_a_key():
+    d = executables.describe
+    assert d(Scale(0.1)) == d(Scale(0.1)) != d(Scale(0.1 + 1e-17 + 2**-56))
+    assert d((1, "a", None, 2.5, True)) != d((1, "a", None, 2.5, 1))
+    assert "Autoregressive" in d(ENGINES["autoregressive"])
+    assert d(np.float32(1.5)) != d(np.float64(1.5)) != d(1.5)
+    for bad in (lambda s, x: x, np.zeros(3), object(), jax.devices()[0]):
+        with pytest.raises(executables.Unstable):
+            d(bad)
+    assert executables.digest(lambda s, x: x, Scale(1.0), (), (), {}) is None
+    assert executables.digest(_scaled, Scale(1.0), (), (), {}) != executables.digest(
+        _scaled, Scale(1.0), (), (0,), {}
+    )
+
+
+def test_a_sharding_is_described_with_its_devices():
+    devices = jax.devices()  # the suite forces eight host devices
+    a = NamedSharding(jax.make_mesh((2,), ("tp",), devices=devices[:2]), P("tp"))
+    b = NamedSharding(jax.make_mesh((2,), ("tp",), devices=devices[2:4]), P("tp"))
+    assert repr(a) == repr(b)  # what JAX prints cannot tell them apart
+    d = executables.describe
+    assert d(a) != d(b) and d(a.mesh) != d(b.mesh)
+    assert d(a) == d(NamedSharding(jax.make_mesh((2,), ("tp",), devices=devices[:2]), P("tp")))
