@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -14,7 +15,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import CheckpointError
-from jaxspec.io import awq
+from jaxspec.io import awq, tokenizer
 from pallas_kernels.quant import QuantizedWeight
 
 _TOKENIZER_FILES = (
@@ -176,22 +177,17 @@ class HFSource:
         return load_tokenizer(str(self.folder))
 
 
-# tokenizer classes that are transformers' plain fast tokenizer (as jaxspec saves a GGUF's)
-_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def load_tokenizer(folder: str, **kwargs):
+    """The tokenizer in ``folder``: a plain fast one through ``jaxspec.io.tokenizer`` (no
+    transformers import on the way to the first token), any other through transformers
+    (``kwargs``: ``AutoTokenizer``'s, e.g. ``gguf_file``)."""
     try:
-        if not kwargs and _plain_fast(pathlib.Path(folder)):
-            # AutoTokenizer imports torch (3 s of a 5 s warm start on 2 cores); the plain fast
-            # class loads the same tokenizer without it
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        if not kwargs and tokenizer.plain(pathlib.Path(folder)):
+            return tokenizer.Tokenizer(folder, functools.partial(_fast, folder))
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    except Exception as e:  # transformers raises many kinds
+    except Exception as e:  # transformers and tokenizers raise many kinds
         where = f"{folder}/{kwargs['gguf_file']}" if "gguf_file" in kwargs else folder
         raise CheckpointError(
             f"the tokenizer in {where} could not be loaded ({type(e).__name__}: {e}); fix or "
@@ -199,9 +195,9 @@ def load_tokenizer(folder: str, **kwargs):
         ) from None
 
 
-def _plain_fast(folder: pathlib.Path) -> bool:
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (folder / "tokenizer.json").is_file() and config.get("tokenizer_class") in _PLAIN_FAST
+def _fast(folder: str):
+    """transformers' tokenizer of a plain fast folder (AutoTokenizer imports torch: 3 s of a
+    5 s warm start on 2 cores; the plain fast class loads the same tokenizer without it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
