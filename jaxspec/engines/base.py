@@ -432,16 +432,19 @@ MAX_PROGRAMS = 64
 
 
 def compiled(
-    fn, static, args, key, *, donate: tuple[int, ...] = (), progress=None, what: str = ""
-) -> tuple[Any, float]:
+    fn, static, args, key, *, donate: tuple[int, ...] = (), progress=None, what: str = "",
+    options: Mapping[str, Any] | None = None,
+) -> tuple[Any, float]:  # fmt: skip
     """``fn(static, *args)`` compiled ahead of time, once per ``(fn, static, key)``, where
     ``key`` stands for the arguments' shapes, dtypes and layouts (the weights' part precomputed:
     ``Model.layout``); returns (executable, compile seconds: 0 when found). ``static`` is the
     hashable program (a jit static argument). Least recently used programs beyond
     ``MAX_PROGRAMS`` are dropped. ``donate``: positions in ``args`` whose buffers the program
     may reuse (a state handed on). ``progress(message)``, when given, hears "compiling
-    ``what``" before a compile starts (seconds on a CPU; found programs say nothing)."""
-    full = (fn, static, key, donate)
+    ``what``" before a compile starts (seconds on a CPU; found programs say nothing).
+    ``options``: XLA options of this program besides its kernels' (``compiler_options``)."""
+    options = {**compiler_options(static), **(options or {})}
+    full = (fn, static, key, donate, tuple(sorted(options.items())))
     # one compile at a time: SwiftSpec's two worker threads compile concurrently otherwise, and
     # the engines subtract the summed compile seconds from their wall time
     with _COMPILE_LOCK:
@@ -450,17 +453,16 @@ def compiled(
             _COMPILED.move_to_end(full)
             return exe, 0.0
         with Timer() as t:
-            exe = _compile(fn, static, args, key, donate, progress, what)
+            exe = _compile(fn, static, args, key, donate, options, progress, what)
         _COMPILED[full] = exe
         while len(_COMPILED) > MAX_PROGRAMS:
             _COMPILED.popitem(last=False)
     return exe, t.s
 
 
-def _compile(fn, static, args, key, donate, progress, what: str):
+def _compile(fn, static, args, key, donate, options, progress, what: str):
     """A program not in memory: from the disk store (``executables``, when JAX's persistent
     cache is on) without tracing it, else traced, compiled and kept there."""
-    options = compiler_options(static)
     where = executables.folder()
     name = None if where is None else executables.digest(fn, static, key, donate, options)
     if name is not None:
@@ -549,6 +551,14 @@ def loop_name(engine: Engine, prog) -> str:
 # step takes tens of milliseconds, so there every iteration is a segment.
 STREAM_STEPS = {"gpu": 64, "cpu": 1}
 
+# XLA options of a streamed segment's program, by backend. On a GPU XLA runs a data-dependent
+# loop from the host (a copy of its condition and a wait per iteration), so a launch returned
+# only when the segment's loop ended, and the next could not be queued behind it: each boundary
+# left the device idle for the launch and the thread's work (1.0-1.9 ms on an H200, SmolLM2
+# shape: benchmarks/results/small_model.json). In a command buffer (a CUDA graph with
+# conditional nodes) the loop runs on the device and the launch returns at once.
+STREAM_XLA_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}
+
 
 def stream_steps(steps=None) -> int:
     """Iterations per streamed segment: ``steps``, else this backend's ``STREAM_STEPS``."""
@@ -602,6 +612,7 @@ def segments(
     seg, seg_compile_s = compiled(
         _stream_segment, static, (target.flat, dflat, s, limit), key, donate=(2,),
         progress=progress, what=f"a segment of {what}",
+        options=STREAM_XLA_OPTIONS.get(jax.default_backend(), {}),
     )  # fmt: skip
     done, stop = queue.SimpleQueue(), threading.Event()
     worker = threading.Thread(
@@ -639,15 +650,23 @@ if hasattr(threading, "_register_atexit"):  # as concurrent.futures stops its wo
 def _dispatch(segment, s, done: queue.SimpleQueue, stop: threading.Event) -> None:
     """``segments``' worker: run ``segment`` on the state until every row is done (or ``stop``),
     putting each segment's output on ``done`` with its copy to the host started (an exception
-    instead, if one is raised). The consumer waits for the copy; the worker launches the next
-    segment at once and reads only the small ``done`` flags, on the state the next launch
-    would otherwise consume."""
+    instead, if one is raised); the consumer waits for the copy.
+
+    A segment is handed out before the next is launched (a launch that holds its thread until
+    its loop ends must not hold the piece back), and the next is launched before the last one's
+    ``done`` flags are read: where launches return at once (loops on the device: a CPU, or a
+    GPU with ``STREAM_XLA_OPTIONS``) it queues behind the running segment, so the device never
+    waits for this thread. A segment launched after the last one exits at its first check."""
     try:
-        while not stop.is_set():
-            s, snap = segment(s)
+        s, snap = segment(s)
+        while True:
             done.put(_fetching(snap))
+            if stop.is_set() or (snap.done.is_ready() and bool(np.asarray(snap.done).all())):
+                return
+            s, following = segment(s)
             if bool(np.asarray(snap.done).all()):
                 return
+            snap = following
     except BaseException as e:  # the consumer re-raises it
         done.put(e)
 
