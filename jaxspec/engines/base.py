@@ -443,8 +443,8 @@ def compiled(
     may reuse (a state handed on). ``progress(message)``, when given, hears "compiling
     ``what``" before a compile starts (seconds on a CPU; found programs say nothing).
     ``options``: XLA options of this program besides its kernels' (``compiler_options``)."""
-    options = {**compiler_options(static), **(options or {})}
-    full = (fn, static, key, donate, tuple(sorted(options.items())))
+    extra = tuple(sorted((options or {}).items()))
+    full = (fn, static, key, donate, extra)
     # one compile at a time: SwiftSpec's two worker threads compile concurrently otherwise, and
     # the engines subtract the summed compile seconds from their wall time
     with _COMPILE_LOCK:
@@ -453,6 +453,7 @@ def compiled(
             _COMPILED.move_to_end(full)
             return exe, 0.0
         with Timer() as t:
+            options = {**compiler_options(static), **dict(extra)}
             exe = _compile(fn, static, args, key, donate, options, progress, what)
         _COMPILED[full] = exe
         while len(_COMPILED) > MAX_PROGRAMS:
