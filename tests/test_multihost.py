@@ -242,18 +242,21 @@ def test_launch_runs_generate_as_two_processes_and_only_process_0_prints(
 def test_a_process_that_never_joins_is_a_worker_error_within_the_timeout(
     checkpoints, capfd, monkeypatch
 ):
-    """``jaxspec generate --coordinator ...`` started as process 0 of 2 with no process 1: its
-    supervisor (here, in this process) reports JAX's abort of the job process it started as a
-    ``WorkerError`` (``error: ...``, exit code 2)."""
+    """``jaxspec generate`` started as process 0 of 2 with no process 1, its job given by the
+    ``JAXSPEC_*`` variables (as a scheduler sets them): its supervisor (here, in this process)
+    reports JAX's abort of the job process it started as a ``WorkerError`` (``error: ...``,
+    exit code 2)."""
     _in_process(monkeypatch)
     timeout = 2
-    job = ["--coordinator", f"127.0.0.1:{free_port(None)}", "--num-processes", "2"]
-    job += ["--process-id", "0", "--timeout", str(timeout)]
-    gen = ["generate", "w5 w9", "--raw", "--model", str(checkpoints / "target"), *job]
+    job = {"COORDINATOR": f"127.0.0.1:{free_port(None)}", "NUM_PROCESSES": "2"}
+    job |= {"PROCESS_ID": "0", "TIMEOUT": str(timeout)}
+    for k, v in job.items():
+        monkeypatch.setenv(f"JAXSPEC_{k}", v)
     t0 = time.monotonic()
-    assert main(gen) == 2
+    assert main(["generate", "w5 w9", "--raw", "--model", str(checkpoints / "target")]) == 2
     took = time.monotonic() - t0
     r = capfd.readouterr()
     last = r.err.strip().splitlines()[-1]
     assert last.startswith("error: process 0 was ended by JAX's distributed runtime"), r.err
+    assert f"within --timeout {timeout} s" in last, last
     assert r.out == "" and took < timeout + 60, took
