@@ -1,17 +1,19 @@
-"""One process of the 2-process tests (tests/test_multihost.py) and of
-benchmarks/bench_multihost.py: joins the job, runs the engines on meshes over both processes,
-and writes what it got as JSON.
+"""One process of the 2-process tests (tests/test_multihost.py): joins the job, runs the
+engines on meshes over both processes, and writes what it got as JSON.
 
-    python -m tests.multihost_worker write FOLDER            # the two tiny checkpoints
     python -m tests.multihost_worker CASE COORDINATOR PROCESS_ID FOLDER OUT [TIMEOUT]
 
-CASE ``engines``: a TP=4 target over both processes' devices (2 each) with autoregressive,
-chain and tree decoding; then SwiftSpec with the target on process 0's devices and the draft on
-process 1's. CASE ``killed``: both join and load; process 1 writes OUT and waits to be killed,
-process 0 then waits in a check that process 1 never joins. CASE ``processes``: process 1 says
-the job has 3 processes; CASE ``checkpoint``: process 1 loads the draft where process 0 loads
-the target: either is an error in both processes, naming what differs. A ``JaxspecError`` (a
-``WorkerError`` among them) is written to OUT as ``{"error": [type, message]}`` (exit code 2).
+FOLDER holds the two tiny checkpoints (``write_checkpoints``). CASE ``job``, all in one job (each
+process compiles every program once, the dearest part of these tests):
+
+1. a TP=4 target over both processes' devices (2 each) with autoregressive, chain and tree
+   decoding; then SwiftSpec with the target on process 0's devices and the draft on process 1's;
+2. process 0 loads the target where process 1 loads the draft: a ``CheckpointError`` in both;
+3. OUT is written (the results), and process 1 waits to be killed while process 0 waits in a
+   check that process 1 never reaches: its ``WorkerError`` (or JAX's abort) is the test's.
+
+CASE ``processes``: process 1 says the job has 3 processes. A ``JaxspecError`` (a
+``WorkerError`` among them) is added to OUT as ``"error": [type, message]`` (exit code 2).
 """
 
 import os
@@ -28,7 +30,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxspec import JaxspecError, distributed, generate, load  # noqa: E402
+from jaxspec import CheckpointError, JaxspecError, distributed, generate, load  # noqa: E402
 from jaxspec.model.sharding import tp_mesh  # noqa: E402
 
 NEW = 12
@@ -39,7 +41,8 @@ VOCAB = 64  # 4 kv heads and 64 rows: a TP degree of 4 divides every split dimen
 
 def write_checkpoints(folder: pathlib.Path) -> None:
     """A tiny random target and a perturbed copy (the draft) as converted checkpoints, with a
-    word-level tokenizer (``w3 w4 ...``) so that the command line can run them."""
+    word-level tokenizer (``w3 w4 ...``) so that the command line can run them. The test calls
+    it in its own process (no JAX job there)."""
     import transformers
     from flax import nnx
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -62,10 +65,11 @@ def write_checkpoints(folder: pathlib.Path) -> None:
         fast.save_pretrained(str(folder / name / "tokenizer"))
 
 
-def engines(ckpt: pathlib.Path) -> dict:
+def engines(ckpt: pathlib.Path, out: dict) -> None:
     everywhere = tp_mesh(jax.devices())
     target = load(ckpt / "target", mesh=everywhere)
-    out = {"devices": [d.id for d in jax.devices()], "local": [d.id for d in jax.local_devices()]}
+    out["devices"] = [d.id for d in jax.devices()]
+    out["local"] = [d.id for d in jax.local_devices()]
     for method, kw in (
         ("autoregressive", {}),
         ("chain", dict(draft="ngram", gamma=3)),
@@ -82,41 +86,59 @@ def engines(ckpt: pathlib.Path) -> dict:
     )  # fmt: skip
     out["swiftspec"] = r.tokens
     out["swiftspec_split"] = [r.stats["target_devices"], r.stats["draft_devices"]]
-    return out
 
 
-def killed(ckpt: pathlib.Path, out: pathlib.Path) -> dict:
-    load(ckpt / "target", mesh=tp_mesh(jax.devices()))
+def other_checkpoints(ckpt: pathlib.Path) -> list[str] | None:
+    """Process 0 loads the target, process 1 the draft: the error each gets (None: none)."""
+    try:
+        load(ckpt / ("target" if jax.process_index() == 0 else "draft"))
+    except CheckpointError as e:
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def killed(result: dict) -> None:
+    """Process 1 waits to be killed; process 0 waits in a check that it never reaches."""
     if jax.process_index() == 1:
-        out.write_text(json.dumps({"joined": True}))
         time.sleep(3600)  # the test kills this process here
     start = time.monotonic()
-    distributed.agree("the step after the kill", "x")  # process 1 never gets there
-    return {"waited_s": time.monotonic() - start}
+    try:
+        distributed.agree("the step after the kill", "x")  # process 1 never gets there
+    finally:
+        result["waited_s"] = time.monotonic() - start
+
+
+def job(ckpt: pathlib.Path, out: pathlib.Path, result: dict) -> None:
+    engines(ckpt, result)
+    result["checkpoint_error"] = other_checkpoints(ckpt)
+    write(out, result)  # the test reads the results here, then kills process 1
+    killed(result)
+
+
+def write(out: pathlib.Path, result: dict) -> None:
+    """OUT whole or not at all (the test reads it while this process runs)."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
 
 
 def main(argv: list[str]) -> int:
-    faulthandler.dump_traceback_later(420, exit=True)
+    faulthandler.dump_traceback_later(300, exit=True)
     jax.config.update("jax_default_matmul_precision", "highest")  # as the tests' conftest
-    if argv[0] == "write":
-        write_checkpoints(pathlib.Path(argv[1]))
-        return 0
     case, coordinator, pid, ckpt, out = argv[:5]
     timeout = float(argv[5]) if len(argv) > 5 else 30.0
     pid, ckpt, out = int(pid), pathlib.Path(ckpt), pathlib.Path(out)
     n = 3 if case == "processes" and pid == 1 else 2
+    result: dict = {}
     try:
         distributed.initialize(coordinator, n, pid, timeout_s=timeout)
-        if case == "engines":
-            result = engines(ckpt)
-        elif case == "killed":
-            result = killed(ckpt, out)
-        else:  # "processes" never gets here; "checkpoint" fails here
-            result = {"loaded": load(ckpt / ("target" if pid == 0 else "draft")).name}
+        if case == "job":
+            job(ckpt, out, result)
     except JaxspecError as e:
-        out.write_text(json.dumps({"error": [type(e).__name__, str(e)]}))
+        result["error"] = [type(e).__name__, str(e)]
+        write(out, result)
         return 2
-    out.write_text(json.dumps(result))
+    write(out, result)
     return 0
 
 

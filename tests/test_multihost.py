@@ -1,9 +1,12 @@
 """Several processes as one job (issue #25), on 127.0.0.1: two CPU processes of 2 devices each
 (tests/multihost_worker.py), JAX's CPU collectives across them (gloo, JAX 0.11.2's default).
 
-The 2-process runs compile every program in both processes on the shared CI cores (a minute
-or more), so they are marked slow; the launcher's and the job flags' bad inputs run by
-default."""
+These run in the default suite (CI). What a 2-process test costs is its processes: each one
+imports JAX and compiles every program it runs (the same ones in both). So one job
+(``test_one_job_over_two_processes``) checks the engines, a checkpoint that differs between the
+processes and a killed process; the single-process reference runs in the test's own process
+while the job compiles; the command-line tests run ``jaxspec launch`` and the supervisor in the
+test's process, so that only the job's processes are started."""
 
 import json
 import os
@@ -21,123 +24,140 @@ from jaxspec import generate, load
 from jaxspec.cli import main
 from jaxspec.errors import OptionError
 from jaxspec.launch import ended, free_port
-from tests.multihost_worker import NEW, PROMPTS
+from tests.multihost_worker import NEW, PROMPTS, write_checkpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # the suite's own variables, kept when a test clears a job's (its home; the compile cache off)
-KEEP_ENV = ("JAXSPEC_SUPERVISED", "JAXSPEC_HOME", "JAXSPEC_COMPILE_CACHE")
+SUITE_ENV = ("JAXSPEC_HOME", "JAXSPEC_COMPILE_CACHE")
+# the job's --timeout in the 2-process job (join, heartbeats, the checks' waits): a kill costs
+# about this much; the job's checks meet right after a collective, so its processes never drift
+# this far apart
+TIMEOUT = 10
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSPEC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSPEC_") or k in SUITE_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def _start(case, pid, port, folder, out, timeout=30, n=None):
-    argv = [case, f"127.0.0.1:{port}", str(pid), str(folder), str(out), str(timeout)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.multihost_worker", *argv],
-        env=_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+def _in_process(monkeypatch) -> None:
+    """For a command run by ``main`` here that starts job processes: no job variables, and the
+    processes it starts import this checkout (they run ``python -m jaxspec.cli``)."""
+    for k in list(os.environ):
+        if k.startswith("JAXSPEC_") and k not in SUITE_ENV:
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    monkeypatch.chdir(ROOT)
 
 
-def _pair(case, folder, tmp, timeout=30):
+def _pair(case, folder, tmp, timeout):
+    """The two processes of a job running ``tests.multihost_worker CASE``, their output in
+    files (a pipe nobody reads could fill and stop a process), and their OUT files."""
     port = free_port(None)
     outs = [tmp / f"{case}{k}.json" for k in range(2)]
-    return [_start(case, k, port, folder, outs[k], timeout) for k in range(2)], outs
+    procs = []
+    for k in range(2):
+        argv = [case, f"127.0.0.1:{port}", str(k), str(folder), str(outs[k]), str(timeout)]
+        cmd = [sys.executable, "-m", "tests.multihost_worker", *argv]
+        log = tmp / f"{case}{k}.log"
+        with open(log, "wb") as f:
+            p = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        p.log = log
+        procs.append(p)
+    return procs, outs
 
 
-def _finish(procs, limit_s):
-    logs = []
-    for p in procs:
+def _log(p) -> str:
+    return p.log.read_text(errors="replace")[-3000:]
+
+
+def _finish(procs, limit_s) -> None:
+    """Wait for every process; kill them all and fail if one runs past ``limit_s``."""
+    end = time.monotonic() + limit_s
+    for k, p in enumerate(procs):
         try:
-            logs.append(p.communicate(timeout=limit_s)[0].decode(errors="replace"))
+            p.wait(timeout=max(end - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
+            _kill(procs)
+            pytest.fail(f"process {k} ran past {limit_s} s:\n{_log(p)}")
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
             p.kill()
-            logs.append(p.communicate()[0].decode(errors="replace"))
-            pytest.fail(f"a worker ran past {limit_s} s:\n{logs[-1][-3000:]}")
-    return logs
+        p.wait()
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("multihost")
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.multihost_worker", "write", str(folder)],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
+    write_checkpoints(folder)
     return folder
 
 
-@pytest.mark.slow
-def test_target_mesh_over_two_processes_gives_single_process_tokens(checkpoints, tmp_path):
-    """TP=4 over both processes: autoregressive, chain and tree return exactly the greedy
-    tokens of one process on one device; SwiftSpec with the target on process 0's devices and
-    the draft on process 1's too. Both processes return them."""
-    want = generate(
-        load(checkpoints / "target"), PROMPTS, method="autoregressive", max_new_tokens=NEW
-    ).tokens
-    procs, outs = _pair("engines", checkpoints, tmp_path)
-    logs = _finish(procs, 600)
-    for k, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"process {k}:\n{log[-3000:]}"
-    for k, out in enumerate(outs):
-        got = json.loads(out.read_text())
-        assert got["local"] == [d for d in got["devices"] if (d >= 2048) == (k == 1)]
-        assert got["target_devices"] == sorted(got["devices"])  # the mesh spans both
+def test_one_job_over_two_processes(checkpoints, tmp_path):
+    """One job of 2 processes (the worker's CASE ``job``):
+
+    - TP=4 over both processes: autoregressive, chain and tree return exactly the greedy tokens
+      of one process on one device, and so does SwiftSpec with the target on process 0's
+      devices and the draft on process 1's; both processes return them;
+    - a checkpoint that differs between the processes is a CheckpointError in each, naming both;
+    - process 1 killed, process 0 raises within the timeout and the test ends in bounded time.
+    """
+    procs, outs = _pair("job", checkpoints, tmp_path, TIMEOUT)
+    try:
+        # the single-process reference, in this process while the job's processes compile
+        want = generate(
+            load(checkpoints / "target"), PROMPTS, method="autoregressive", max_new_tokens=NEW
+        ).tokens
+        end = time.monotonic() + 300
+        while not all(out.exists() for out in outs):
+            for k, p in enumerate(procs):
+                assert p.poll() is None, f"process {k} ended ({p.returncode}):\n{_log(p)}"
+            assert time.monotonic() < end, f"no results within 300 s:\n{_log(procs[0])}"
+            time.sleep(0.05)
+        # process 0 now waits in a check that process 1 will never reach: kill it there
+        assert procs[0].poll() is None, f"process 0 ended before the kill:\n{_log(procs[0])}"
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        _finish(procs[:1], 120)
+        took = time.monotonic() - killed_at
+        procs[1].wait()
+    finally:
+        _kill(procs)
+    got = [json.loads(out.read_text()) for out in outs]
+    for k, g in enumerate(got):
+        assert g["local"] == [d for d in g["devices"] if (d >= 2048) == (k == 1)]
+        assert g["target_devices"] == sorted(g["devices"])  # the mesh spans both
         for method in ("autoregressive", "chain", "tree", "swiftspec"):
-            assert got[method] == want, (k, method)
-        assert got["swiftspec_split"] == [2, 2]
-
-
-@pytest.mark.slow
-def test_killed_process_raises_in_the_other_within_the_timeout(checkpoints, tmp_path):
-    timeout = 5
-    procs, outs = _pair("killed", checkpoints, tmp_path, timeout)
-    end = time.monotonic() + 300
-    while not outs[1].exists():
-        assert procs[1].poll() is None and time.monotonic() < end, _finish(procs, 30)
-        time.sleep(0.2)
-    procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    log = _finish(procs[:1], 120)[0]
-    took = time.monotonic() - killed_at
-    procs[1].wait()
+            assert g[method] == want, (k, method)
+        assert g["swiftspec_split"] == [2, 2]
+        assert g["checkpoint_error"], f"process {k} loaded another checkpoint than process 0's"
+        kind, message = g["checkpoint_error"]
+        assert kind == "CheckpointError", message
+        assert re.search("disagree on the checkpoint.*target.*draft", message), message
     # the key-value wait gives a WorkerError; JAX's heartbeats may abort the process first
-    assert procs[0].returncode in (2, -signal.SIGABRT), log[-3000:]
+    assert procs[0].returncode in (2, -signal.SIGABRT), _log(procs[0])
     if procs[0].returncode == 2:
-        kind, message = json.loads(outs[0].read_text())["error"]
-        assert kind == "WorkerError" and "process 1 did not reach" in message
-    assert took < timeout + 30, took
+        kind, message = got[0]["error"]
+        assert kind == "WorkerError" and "process 1 did not reach" in message, message
+        assert got[0]["waited_s"] < TIMEOUT + 5, got[0]["waited_s"]
+    assert took < TIMEOUT + 30, took
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "case,kind,match",
-    [
-        ("processes", "OptionError", "disagree on --num-processes.*process 1: 3"),
-        ("checkpoint", "CheckpointError", "disagree on the checkpoint.*target.*draft"),
-    ],
-)
-def test_mismatch_between_processes_is_an_error_in_each(checkpoints, tmp_path, case, kind, match):
-    procs, outs = _pair(case, checkpoints, tmp_path, 10)
-    logs = _finish(procs, 300)
-    for out, log in zip(outs, logs, strict=True):
-        assert out.exists(), log[-3000:]
-        got_kind, message = json.loads(out.read_text())["error"]
-        assert got_kind == kind, message
-        assert re.search(match, message), message
+def test_a_different_process_count_is_an_error_in_each(tmp_path):
+    procs, outs = _pair("processes", tmp_path, tmp_path, TIMEOUT)
+    _finish(procs, 120)
+    for p, out in zip(procs, outs, strict=True):
+        assert out.exists(), _log(p)
+        kind, message = json.loads(out.read_text())["error"]
+        assert kind == "OptionError", message
+        assert re.search("disagree on --num-processes.*process 1: 3", message), message
 
 
 # ------------------------------------------------------------------ the launcher's bad inputs
@@ -169,7 +189,7 @@ def test_mismatch_between_processes_is_an_error_in_each(checkpoints, tmp_path, c
 )  # fmt: skip
 def test_job_bad_inputs(argv, match, capsys, monkeypatch):
     for k in list(os.environ):  # the job's variables; the suite's home and cache setting stay
-        if k.startswith("JAXSPEC_") and k not in KEEP_ENV:
+        if k.startswith("JAXSPEC_") and k not in SUITE_ENV:
             monkeypatch.delenv(k)
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -200,41 +220,43 @@ def test_an_ended_process_is_told_in_words():
     assert ended(1, 3, 5.0) == "process 1 failed with exit code 3."
 
 
-@pytest.mark.slow
-def test_launch_runs_generate_as_two_processes_and_only_process_0_prints(checkpoints):
+def test_launch_runs_generate_as_two_processes_and_only_process_0_prints(
+    checkpoints, capfd, monkeypatch
+):
     """``jaxspec launch -n 2 -- generate ... --tp 4``: the target over both processes, one
-    answer printed, the same as one process on one device prints."""
+    answer printed, the same as one process on one device prints. Both commands run in this
+    process (the launcher starts the job's two)."""
+    _in_process(monkeypatch)
     words = "w5 w9 w14 w3 w27 w9 w14 w3 w27 w40 w8"
     gen = ["generate", words, "--raw", "--model", str(checkpoints / "target")]
     gen += ["--max-new-tokens", "8", "--method", "chain", "--draft", "ngram"]
-    cli = [sys.executable, "-m", "jaxspec.cli"]
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    one = subprocess.run([*cli, *gen], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert main(gen) == 0  # one process, one device
+    one = capfd.readouterr()
     launch = ["launch", "-n", "2", "--devices-per-process", "2", "--timeout", "30", "--"]
-    two = subprocess.run(
-        [*cli, *launch, *gen, "--tp", "4"], env=_env(), cwd=ROOT, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout == one.stdout and one.stdout.strip()
-    assert two.stderr.count("[chain] 8 tokens in") == 1, two.stderr[-3000:]
+    assert main([*launch, *gen, "--tp", "4"]) == 0, capfd.readouterr().err[-3000:]
+    two = capfd.readouterr()
+    assert two.out == one.out and one.out.strip(), (one.out, two.out)
+    assert two.err.count("[chain] 8 tokens in") == 1, two.err[-3000:]
 
 
-@pytest.mark.slow
-def test_a_process_that_never_joins_is_a_worker_error_within_the_timeout(checkpoints):
-    """``jaxspec generate --coordinator ...`` started as process 0 of 2 with no process 1: its
-    supervisor reports JAX's abort as a ``WorkerError`` (``error: ...``, exit code 2)."""
-    job = ["--coordinator", f"127.0.0.1:{free_port(None)}", "--num-processes", "2"]
-    job += ["--process-id", "0", "--timeout", "5"]
-    gen = ["generate", "w5 w9", "--raw", "--model", str(checkpoints / "target"), *job]
+def test_a_process_that_never_joins_is_a_worker_error_within_the_timeout(
+    checkpoints, capfd, monkeypatch
+):
+    """``jaxspec generate`` started as process 0 of 2 with no process 1, its job given by the
+    ``JAXSPEC_*`` variables (as a scheduler sets them): its supervisor (here, in this process)
+    reports JAX's abort of the job process it started as a ``WorkerError`` (``error: ...``,
+    exit code 2)."""
+    _in_process(monkeypatch)
+    timeout = 2
+    job = {"COORDINATOR": f"127.0.0.1:{free_port(None)}", "NUM_PROCESSES": "2"}
+    job |= {"PROCESS_ID": "0", "TIMEOUT": str(timeout)}
+    for k, v in job.items():
+        monkeypatch.setenv(f"JAXSPEC_{k}", v)
     t0 = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-m", "jaxspec.cli", *gen], env=_env(), cwd=ROOT, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+    assert main(["generate", "w5 w9", "--raw", "--model", str(checkpoints / "target")]) == 2
     took = time.monotonic() - t0
-    assert r.returncode == 2, r.stderr[-3000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: process 0 was ended by JAX's distributed runtime"), last
-    assert r.stdout == "" and took < 5 + 60, took
+    r = capfd.readouterr()
+    last = r.err.strip().splitlines()[-1]
+    assert last.startswith("error: process 0 was ended by JAX's distributed runtime"), r.err
+    assert f"within --timeout {timeout} s" in last, last
+    assert r.out == "" and took < timeout + 60, took
