@@ -21,7 +21,10 @@ the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoreg
 the model in float32 with IEEE dots, where every method must give exactly the autoregressive
 tokens. ``streaming`` (unless ``--no-stream``): the same 1K calls through ``jaxspec.stream``,
 every piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over stream's,
-less one, and ``first_piece_ms`` the wait for the first piece.
+less one, and ``first_piece_ms`` the wait for the first piece. ``--random-weights`` measures
+only that section, on random SmolLM2-135M-shape bf16 weights (no GGUF: one GPU call; what a
+segment boundary costs does not depend on the weights), and ``--merge`` puts it into a full
+run's file with its own commit and command (``streaming_run``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.common import context_ids, metadata, write
+from benchmarks.bench_host_overhead import SMOLLM2
+from benchmarks.common import context_ids, metadata, random_target, write
 from jaxspec.api import generate, stream
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path
@@ -199,6 +204,9 @@ def merged(first: str, more: str) -> dict:
     a, b = (json.loads(pathlib.Path(p).read_text()) for p in (first, more))
     for key in sorted(k for k in b if k.startswith("ctx") and k not in a):
         a[key] = {**b[key], "commit": b["commit"], "command": b["command"]}
+    if "streaming" in b and "ctx1024" not in b:  # a --random-weights run: its section replaces
+        a["streaming"] = b["streaming"]
+        a["streaming_run"] = {k: b[k] for k in ("date", "commit", "command", "model")}
     if "ctx4096" in a:
         a["first_token_ms_ctx4096"] = a["ctx4096"]["first_token_ms"]
     return a
@@ -215,6 +223,11 @@ def main():
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming overhead rows")
     ap.add_argument("--stream-steps", default="32", help="segment lengths to stream at")
     ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the streaming section only, on random SmolLM2-135M-shape weights (no GGUF)",
+    )
+    ap.add_argument(
         "--merge",
         nargs=2,
         default=None,
@@ -226,6 +239,16 @@ def main():
     if args.merge:
         return write("small_model.json", merged(*args.merge), args.out)
     gpu = jax.default_backend() == "gpu"
+    if args.random_weights:
+        model = random_target(SMOLLM2, dtype=jnp.bfloat16 if gpu else jnp.float32)
+        ids = np.random.RandomState(0).randint(4, SMOLLM2.vocab_size, 1024 - args.new).tolist()
+        payload = {
+            **metadata(),
+            "model": f"random SmolLM2-135M-shape weights ({model.dtype})",
+            "new_tokens": args.new,
+            "streaming": streaming(model, ids, args),
+        }
+        return write("small_model.json", payload, args.out)
     model = load(default_checkpoint(), dtype=jnp.bfloat16 if gpu else jnp.float32)
     model.kernels = KernelConfig.from_env()
     drafts = {"ngram": "ngram"}

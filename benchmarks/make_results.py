@@ -424,7 +424,9 @@ def context_rows_table(d: dict) -> str:
     if "streaming" in d:  # jaxspec.stream against generate() of the same calls
         cols = ("stream_wall_tok_per_s", "generate_wall_tok_per_s", "overhead", "first_piece_ms")
         rows = [[run, *(fmt(r[c]) for c in cols)] for run, r in d["streaming"].items()]
-        text += "\n\nStreaming:\n\n" + table(["run", *cols], rows)
+        run = d.get("streaming_run")
+        where = "" if run is None else f" ({run['model']}, {run['date']}, commit {run['commit']})"
+        text += f"\n\nStreaming{where}:\n\n" + table(["run", *cols], rows)
     return text
 
 

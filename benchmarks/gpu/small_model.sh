@@ -6,10 +6,12 @@
 # beside the GGUF half: lib.sh's stash keeps it in ~/peer), the float32 exactness check. Needs
 # the GGUF (README.md). About 7 minutes. Writes $OUT/small_model.json (results/small_model.json).
 #   bash benchmarks/gpu/small_model.sh --contexts 1024 --no-f32
+# With --random-weights, the streaming rows alone on random SmolLM2-shape weights: no GGUF, one
+# call (then --merge them into results/small_model.json).
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
-use_gguf || exit 1
+case " $* " in *" --random-weights "*) ;; *) use_gguf || exit 1 ;; esac
 peer=()
 [ -f ~/peer/torch_cudagraph.py ] && peer=(--peer ~/peer/torch_cudagraph.py)
 bench small_model 570 python3 benchmarks/bench_small_model.py --draft "$DRAFT" --new 128 \
