@@ -544,21 +544,26 @@ def loop_name(engine: Engine, prog) -> str:
 
 # ---------------------------------------------------------------- streaming
 
-# Loop iterations per streamed segment (``segments``), by backend. A segment boundary costs
-# about 1.7 ms on an H200 (a loop exit, a program launch, the output's copy): streaming 128 tokens
-# of SmolLM2 at 1K context cost 20/10/5.9/3.0% of autoregressive tokens/s at 16/32/64/128
-# iterations, and 15/6.3/1.2/1.1% for chain + ngram (benchmarks/results/small_model.json, at
-# bcf7f49). 64 (a piece every ~40 ms, ~23 a second) is the shortest near the 5% allowed. A CPU
-# step takes tens of milliseconds, so there every iteration is a segment.
-STREAM_STEPS = {"gpu": 64, "cpu": 1}
+# Loop iterations per streamed segment (``segments``), by backend. On an H200 (SmolLM2, 1K
+# context, 128 tokens) streaming at 16 iterations cost 2.0% of autoregressive tokens/s and 0.3%
+# for chain + prompt lookup with the real weights (3.0% and 3.7% at 32), and 1.8% / 3.2% with
+# random weights of the same shape, the first piece after 5.5-6.7 ms (benchmarks/results/
+# small_model.json, `streaming`): a piece every ~10 ms, within the 5% allowed. Before the
+# segments' loops ran on the device (``STREAM_XLA_OPTIONS``) a boundary cost 1.7-2 ms and 64
+# iterations were the shortest near 5%. A CPU step takes tens of milliseconds, so there every
+# iteration is a segment.
+STREAM_STEPS = {"gpu": 16, "cpu": 1}
 
 # XLA options of a streamed segment's program, by backend. On a GPU XLA runs a data-dependent
 # loop from the host (a copy of its condition and a wait per iteration), so a launch returned
 # only when the segment's loop ended, and the next could not be queued behind it: each boundary
-# left the device idle for the launch and the thread's work (1.0-1.9 ms on an H200, SmolLM2
-# shape: benchmarks/results/small_model.json). In a command buffer (a CUDA graph with
-# conditional nodes) the loop runs on the device and the launch returns at once.
-STREAM_XLA_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": "+WHILE,+CONDITIONAL"}}
+# left the device idle for the launch and the thread's work (on an H200, SmolLM2 shape: a launch
+# on a finished state 0.96-1.4 ms, then 0.8-1.9 ms between launches). In a command buffer (a
+# CUDA graph with conditional nodes) the loop runs on the device and the launch returns at once.
+# A program's options take the whole list of command kinds ("+WHILE" is XLA_FLAGS' syntax only):
+# those a step launches (fusions, GEMMs, the Pallas kernels' custom calls) and the two loops.
+_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+STREAM_XLA_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": _COMMANDS}}
 
 
 def stream_steps(steps=None) -> int:
