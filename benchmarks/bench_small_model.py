@@ -203,7 +203,7 @@ def merged(first: str, more: str) -> dict:
     command that measured it."""
     a, b = (json.loads(pathlib.Path(p).read_text()) for p in (first, more))
     for key in sorted(k for k in b if k.startswith("ctx") and k not in a):
-        a[key] = {**b[key], "commit": b["commit"], "command": b["command"]}
+        a[key] = {"commit": b["commit"], "command": b["command"], **b[key]}  # its own, if kept
     if "streaming" in b and "ctx1024" not in b:  # a --random-weights run: its section replaces
         a["streaming"] = b["streaming"]
         a["streaming_run"] = {k: b[k] for k in ("date", "commit", "command", "model")}
