@@ -24,6 +24,7 @@ would import the others.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import queue
@@ -454,10 +455,83 @@ def compiled(
             donated = tuple(i + 1 for i in donate)
             jitted = jax.jit(fn, static_argnums=0, donate_argnums=donated)
             exe = jitted.lower(static, *args).compile(compiler_options=compiler_options(static))
-        _COMPILED[full] = exe
-        while len(_COMPILED) > MAX_PROGRAMS:
-            _COMPILED.popitem(last=False)
+        _keep(full, exe)
     return exe, t.s
+
+
+def _keep(full, exe) -> None:
+    """Put a program in the cache (the lock held), dropping the least recently used."""
+    _COMPILED[full] = exe
+    while len(_COMPILED) > MAX_PROGRAMS:
+        _COMPILED.popitem(last=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program as ``compiled`` takes it, for compiling several at once (``compile_all``);
+    ``what`` names it in progress messages."""
+
+    fn: Callable
+    static: Any
+    args: tuple
+    key: Any
+    donate: tuple[int, ...] = ()
+    what: str = ""
+
+    def compiled(self, progress=None) -> tuple[Any, float]:
+        """``compiled(...)`` of this job: (executable, compile seconds)."""
+        return compiled(
+            self.fn, self.static, self.args, self.key, donate=self.donate, progress=progress,
+            what=self.what,
+        )  # fmt: skip
+
+
+def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
+    """Compile the ``jobs`` not yet in the cache, ``workers`` at once: each is lowered here, one
+    after another (tracing holds Python's lock), and compiled on a pool of ``workers`` threads
+    (XLA releases the lock while it compiles, so the next one traces meanwhile, even with one
+    worker). ``progress(message)`` hears of them first. Returns each job's seconds (lowering
+    and compiling; 0 for one found in the cache).
+
+    On a CPU XLA compiles one program on one core: two SmolLM2 verify programs took 9.8 s one
+    after the other and 5.9 s on two threads of two cores (``measure.cost_model.plan``)."""
+    jobs = list(jobs)
+    seconds = [0.0] * len(jobs)
+    todo, seen = [], set()
+    for i, j in enumerate(jobs):
+        full = (j.fn, j.static, j.key, j.donate)
+        if full in seen or full in _COMPILED:
+            continue
+        seen.add(full)
+        todo.append((i, full, j))
+    if not todo:
+        return seconds
+    if progress is not None:
+        where = f" on {workers} threads" if workers > 1 and len(todo) > 1 else ""
+        names = "; ".join(j.what or getattr(j.fn, "__name__", "a program") for _, _, j in todo)
+        progress(f"compiling {len(todo)} programs{where}: {names}")
+
+    def timed(lowered, options):
+        with Timer() as t:
+            exe = lowered.compile(compiler_options=options)
+        return exe, t.s
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        pending = []
+        for i, full, j in todo:
+            donated = tuple(k + 1 for k in j.donate)
+            with Timer() as t:
+                lowered = jax.jit(j.fn, static_argnums=0, donate_argnums=donated).lower(
+                    j.static, *j.args
+                )
+            seconds[i] = t.s
+            pending.append((i, full, pool.submit(timed, lowered, compiler_options(j.static))))
+        for i, full, future in pending:
+            exe, s = future.result()
+            seconds[i] += s
+            with _COMPILE_LOCK:
+                _keep(full, exe)
+    return seconds
 
 
 def compiler_options(static) -> dict:
@@ -496,13 +570,18 @@ def on_device(
     called, waited for. Returns (outputs as numpy, wall seconds, compile seconds)."""
     seed = np.uint32(seed)
     dflat = None if draft is None else draft.flat
-    key = _run_key(target, draft, ids, lens, seed)
-    exe, compile_s = compiled(
-        fn, prog, (target.flat, dflat, ids, lens, seed), key, progress=progress, what=what
-    )
+    exe, compile_s = run_job(fn, prog, target, draft, ids, lens, seed, what).compiled(progress)
     with Timer() as t:  # every process gets the outputs, however the weights are laid out
         out = distributed.fetch(exe(target.flat, dflat, ids, lens, seed))
     return out, t.s, compile_s
+
+
+def run_job(fn, prog, target: Weights, draft: Weights | None, ids, lens, seed, what="") -> Job:
+    """``on_device``'s program ``fn(prog, tflat, dflat, ids, lens, seed)`` as a ``Job``."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    key = _run_key(target, draft, ids, lens, seed)
+    return Job(fn, prog, (target.flat, dflat, ids, lens, seed), key, what=what)
 
 
 def _run_key(target: Weights, draft: Weights | None, *small) -> tuple:
@@ -550,6 +629,27 @@ def _stream_segment(static, tflat, dflat, s, limit):
     return s, s.out  # the output twice: the state's is donated to the next segment
 
 
+def stream_init_job(engine: Engine, prog, target: Weights, draft, ids, lens, seed) -> Job:
+    """The first program of a streamed loop (``segments``): ``init``, returning (state, out)."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    return Job(
+        _stream_init, (engine, prog), (target.flat, dflat, ids, lens, seed),
+        _run_key(target, draft, ids, lens, seed), what=f"the prefill of {loop_name(engine, prog)}",
+    )  # fmt: skip
+
+
+def segment_job(engine: Engine, prog, target: Weights, draft, ids, lens, seed, state) -> Job:
+    """A streamed loop's segment program (``segments``): ``(tflat, dflat, state, limit) ->
+    (state, out)``, the state donated; ``state`` is what its ``stream_init_job`` returned."""
+    dflat = None if draft is None else draft.flat
+    return Job(
+        _stream_segment, (engine, prog), (target.flat, dflat, state, np.int32(1)),
+        _run_key(target, draft, ids, lens, np.uint32(seed)), donate=(2,),
+        what=f"a segment of {loop_name(engine, prog)}",
+    )  # fmt: skip
+
+
 def segments(
     engine: Engine, prog, target: Weights, draft: Weights | None, ids, lens, seed: int, *,
     steps: int, progress=None,
@@ -569,21 +669,16 @@ def segments(
     on an H200, benchmarks/results/small_model.json)."""
     seed = np.uint32(seed)
     dflat = None if draft is None else draft.flat
-    static, key = (engine, prog), _run_key(target, draft, ids, lens, seed)
-    what = loop_name(engine, prog)
-    first, compile_s = compiled(
-        _stream_init, static, (target.flat, dflat, ids, lens, seed), key, progress=progress,
-        what=f"the prefill of {what}",
-    )  # fmt: skip
+    first, compile_s = stream_init_job(engine, prog, target, draft, ids, lens, seed).compiled(
+        progress
+    )
     t0 = time.perf_counter()
     s, snap = first(target.flat, dflat, ids, lens, seed)
     snap = _fetching(snap)
     limit = np.int32(steps)
     # compiled while the prefill runs; its seconds are taken out of the wall below
-    seg, seg_compile_s = compiled(
-        _stream_segment, static, (target.flat, dflat, s, limit), key, donate=(2,),
-        progress=progress, what=f"a segment of {what}",
-    )  # fmt: skip
+    job = segment_job(engine, prog, target, draft, ids, lens, seed, s)
+    seg, seg_compile_s = job.compiled(progress)
     done, stop = queue.SimpleQueue(), threading.Event()
     worker = threading.Thread(
         target=_dispatch, args=(lambda s: seg(target.flat, dflat, s, limit), s, done, stop),
