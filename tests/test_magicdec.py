@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import api
 from jaxspec.api import generate
 from jaxspec.config import ModelConfig
 from jaxspec.engines import base, chain, magicdec
@@ -328,6 +329,83 @@ def test_magicdec_auto_gamma(monkeypatch):
     assert set(cm["t_v_ms"]) == {2, 3} and cm["t_t_ms"] > 0 and cm["t_d_ms"] > 0
     assert cm["prefix_bucket"] == 32
     assert r.stats["predicted_speedup"] > 0
+
+
+def test_cost_model_plans_and_the_line_of_t_v():
+    cpu = cost_model.plan((1, 2, 4), "cpu")
+    assert (cpu.timed, cpu.t_t, cpu.alpha_gamma) == ((1, 4), "verify", 1)
+    assert cost_model.plan((1, 2), "cpu").timed == (1, 2)
+    gpu = cost_model.plan(range(1, 9), "gpu")  # a GPU times every term, T_T the AR step
+    assert gpu == cost_model.Plan() and gpu.timed is None and gpu.t_t == "autoregressive"
+    assert cost_model.interpolate({1: 40.0, 4: 55.0}, (1, 2, 3, 4)) == {
+        1: 40.0, 2: 45.0, 3: 50.0, 4: 55.0,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="outside"):
+        cost_model.interpolate({1: 40.0, 4: 55.0}, (1, 4, 5))
+
+
+def _compiles(monkeypatch) -> list[str]:
+    """The names of the programs compiled from now on (into an emptied compile cache)."""
+    names: list[str] = []
+    keep = base._keep
+
+    def counted(full, exe):
+        names.append(full[0].__name__)
+        keep(full, exe)
+
+    monkeypatch.setattr(base, "_COMPILED", type(base._COMPILED)())
+    monkeypatch.setattr(base, "_keep", counted)
+    return names
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streamed):
+    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles six programs: the call's own loop at
+    gamma 1, where alpha is measured (a streamed call: its prefill, whose state the units are
+    timed on, and its segment; a call of at most 32 tokens: the whole loop, and a prefill for the
+    units), T_T as a one-token verify, T_D, and T_V at gamma 1 and 4 (T_V(2) is read off their
+    line, and the stats say so). The run at gamma 1 then finds its programs compiled."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET)
+    if streamed:
+        s = api.stream(target, ps, **opts)
+        pieces = list(s)
+        r = s.result
+        assert pieces
+    else:
+        r = generate(target, ps, **opts)
+    looped = ["_looped"] * 4
+    if streamed:
+        assert sorted(names) == sorted(["_stream_init", *looped, "_stream_segment"])
+    else:
+        assert sorted(names) == sorted(["_init", "decode", *looped])
+    assert r.tokens == ref and r.stats["gamma"] == 1 and r.stats["compile_s"] == 0.0
+    cm = r.stats["cost_model"]
+    assert cm["t_v_interpolated"] == [2] and cm["t_t_unit"] == "one target verify of 1 token"
+    t_v = cm["t_v_ms"]
+    assert t_v[2] == pytest.approx(t_v[1] + (t_v[4] - t_v[1]) / 3)
+    # a tiny model's gammas differ by microseconds a token: no other gamma repays a compile
+    assert cm["best_gamma"] in (1, 2, 4) and cm["loop_compile_s"] > 0
+
+
+def test_the_measuring_call_keeps_its_compiled_gamma_unless_another_repays_its_compile():
+    m = cost_model.Measurement(
+        1, 64, 10.0, 1.0, {1: 11.0, 2: 12.0, 4: 14.0}, 0.9, 1, 1.9, loop_compile_s=5.0
+    )
+    assert m.choose() == (4, pytest.approx(10.0 / (18.0 / magicdec.omega(4, 0.9))))
+    # per token: gamma 1 costs 12 / 1.9 = 6.32 ms, gamma 4 18 / 4.095 = 4.40 ms; 5 s of compile
+    # are repaid after 2604 tokens
+    assert cost_model.compiled_pays(m, 4, 2700) and not cost_model.compiled_pays(m, 4, 2500)
+    opts = magicdec.Options(shape="chain")
+    assert cost_model._choice(opts, m, None, 100)[0].gamma == 1
+    _, chosen = cost_model._choice(opts, m, None, 100)
+    assert chosen["chosen"]["gamma"] == 1 and chosen["stats"]["cost_model"]["best_gamma"] == 4
+    assert chosen["stats"]["predicted_speedup"] == pytest.approx(10.0 / (12.0 / 1.9))
+    assert cost_model._choice(opts, m, None, 10_000)[0].gamma == 4
+    assert cost_model._choice(opts, m, None, None)[0].gamma == 4  # a kept profile: nothing built
 
 
 def test_magicdec_user_errors():

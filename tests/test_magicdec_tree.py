@@ -110,11 +110,18 @@ def test_magicdec_auto_shape(monkeypatch):
     chain_gamma, chain_speedup = cost_model.choose_gamma(  # the batch waits for its slowest row
         cm["t_d_ms"], cm["t_t_ms"], cm["t_v_ms"], cm["alpha_slowest_row"]
     )
+    assert cm["best_gamma"] == chain_gamma
     if tree_speedup > chain_speedup:
         assert r.stats["shape"] == "tree" and r.stats["gamma"] is None
-    else:
-        assert r.stats["shape"] == "chain" and r.stats["gamma"] == chain_gamma
-    assert r.stats["predicted_speedup"] == pytest.approx(max(tree_speedup, chain_speedup))
+        assert r.stats["predicted_speedup"] == pytest.approx(tree_speedup)
+        return
+    # the measuring call keeps the gamma its loop was compiled at (the alpha run's) unless the
+    # best one repays its compile
+    g = r.stats["gamma"]
+    assert r.stats["shape"] == "chain" and g in (cm["alpha_gamma"], chain_gamma)
+    t_v = cm["t_v_ms"][g]
+    rel = cost_model.relative_time(g, cm["alpha_slowest_row"], cm["t_d_ms"], cm["t_t_ms"], t_v)
+    assert r.stats["predicted_speedup"] == pytest.approx(1 / rel)
 
 
 def test_magicdec_tree_user_errors():
