@@ -192,7 +192,7 @@ def test_magicdec_auto_says_what_it_measures_and_a_later_run_reuses_it(
     argv += ["--draft", "self-streaming", "--option", "budget=32", "--option", "shape=chain"]
     code, first, err = _run(argv, capsys)
     assert code == 0, err
-    assert "measuring MagicDec's cost model" in err and "timing T_T, T_D" in err
+    assert "measuring MagicDec's cost model" in err and "timing T_D, T_V(gamma=1)" in err
     assert "T_V(gamma=4)" in err and "T_V(gamma=2) read off the line" in err  # CPU: 1, 4 timed
     assert len(list((tmp_path / "profiles").glob("magicdec-chain-*.json"))) == 1
     code, again, err = _run(argv, capsys)  # a new model object: the profile comes from disk

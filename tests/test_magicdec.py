@@ -326,14 +326,15 @@ def test_magicdec_auto_gamma(monkeypatch):
     assert r.stats["gamma"] in (2, 3)
     cm = r.stats["cost_model"]
     assert cm["alpha"] == 1.0  # the target is its own dense draft
-    assert set(cm["t_v_ms"]) == {2, 3} and cm["t_t_ms"] > 0 and cm["t_d_ms"] > 0
+    assert set(cm["t_v_ms"]) == {2, 3} and cm["t_d_ms"] > 0
     assert cm["prefix_bucket"] == 32
-    assert r.stats["predicted_speedup"] > 0
+    # a CPU leaves T_T out (no choice depends on it): no speedup over autoregressive decoding
+    assert cm["t_t_ms"] is None and r.stats["predicted_speedup"] is None
 
 
 def test_cost_model_plans_and_the_line_of_t_v():
     cpu = cost_model.plan((1, 2, 4), "cpu")
-    assert (cpu.timed, cpu.t_t, cpu.alpha_gamma) == ((1, 4), "verify", 1)
+    assert (cpu.timed, cpu.t_t, cpu.alpha_gamma, cpu.on_call) == ((1, 4), None, 1, True)
     assert cost_model.plan((1, 2), "cpu").timed == (1, 2)
     gpu = cost_model.plan(range(1, 9), "gpu")  # a GPU times every term, T_T the AR step
     assert gpu == cost_model.Plan() and gpu.timed is None and gpu.t_t == "autoregressive"
@@ -360,11 +361,11 @@ def _compiles(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streamed):
-    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles six programs: the call's own loop at
+    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles five programs: the call's own loop at
     gamma 1, where alpha is measured (a streamed call: its prefill, whose state the units are
     timed on, and its segment; a call of at most 32 tokens: the whole loop, and a prefill for the
-    units), T_T as a one-token verify, T_D, and T_V at gamma 1 and 4 (T_V(2) is read off their
-    line, and the stats say so). The run at gamma 1 then finds its programs compiled."""
+    units), T_D, and T_V at gamma 1 and 4 (T_V(2) is read off their line, and the stats say so);
+    no T_T. The run at gamma 1 then finds its programs compiled."""
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
     ref = reference(target, ps)
@@ -377,14 +378,14 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
         assert pieces
     else:
         r = generate(target, ps, **opts)
-    looped = ["_looped"] * 4
+    looped = ["_looped"] * 3
     if streamed:
         assert sorted(names) == sorted(["_stream_init", *looped, "_stream_segment"])
     else:
         assert sorted(names) == sorted(["_init", "decode", *looped])
     assert r.tokens == ref and r.stats["gamma"] == 1 and r.stats["compile_s"] == 0.0
     cm = r.stats["cost_model"]
-    assert cm["t_v_interpolated"] == [2] and cm["t_t_unit"] == "one target verify of 1 token"
+    assert cm["t_v_interpolated"] == [2] and cm["t_t_ms"] is None
     t_v = cm["t_v_ms"]
     assert t_v[2] == pytest.approx(t_v[1] + (t_v[4] - t_v[1]) / 3)
     # a tiny model's gammas differ by microseconds a token: no other gamma repays a compile
@@ -406,6 +407,10 @@ def test_the_measuring_call_keeps_its_compiled_gamma_unless_another_repays_its_c
     assert chosen["stats"]["predicted_speedup"] == pytest.approx(10.0 / (12.0 / 1.9))
     assert cost_model._choice(opts, m, None, 10_000)[0].gamma == 4
     assert cost_model._choice(opts, m, None, None)[0].gamma == 4  # a kept profile: nothing built
+    no_t_t = dataclasses.replace(m, t_t=None)  # T_T scales every gamma alike: the same choices
+    assert no_t_t.choose() == (4, None)
+    _, chosen = cost_model._choice(opts, no_t_t, None, 100)
+    assert chosen["chosen"]["gamma"] == 1 and chosen["stats"]["predicted_speedup"] is None
 
 
 def test_magicdec_user_errors():

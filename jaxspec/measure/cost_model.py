@@ -153,7 +153,7 @@ def analytic_times(
 class Measurement:
     batch: int
     prefix: int
-    t_t: float  # ms, one autoregressive target step
+    t_t: float | None  # ms, one autoregressive target step (None: not timed, ``Plan.t_t``)
     t_d: float  # ms, one draft step
     t_v: dict[int, float]  # gamma -> ms, one verify of gamma + 1 tokens
     alpha: float
@@ -161,7 +161,6 @@ class Measurement:
     acceptance_length: float
     slowest_length: float | None = None  # the row that accepted least (None: as the mean)
     interpolated: tuple[int, ...] = ()  # gammas whose T_V was not timed (``Plan.timed``)
-    t_t_unit: str = "one target decode step"  # what T_T timed (``Plan.t_t``)
     # seconds the measuring call's own loop at alpha_gamma took to compile (the alpha run's
     # programs; None: the alpha run had programs of its own)
     loop_compile_s: float | None = None
@@ -173,9 +172,16 @@ class Measurement:
             return self.alpha
         return alpha_from_acceptance_length(self.slowest_length, self.alpha_gamma)
 
-    def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float]:
+    def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float | None]:
+        """The best gamma and its predicted speedup over autoregressive decoding (None without
+        T_T: T_T scales every gamma's time alike, so the choice needs none)."""
         gammas = gammas or sorted(self.t_v)
-        return choose_gamma(self.t_d, self.t_t, self.t_v, self.batch_alpha, gammas)
+        best, speedup = choose_gamma(self.t_d, self.t_t or 1.0, self.t_v, self.batch_alpha, gammas)
+        return best, None if self.t_t is None else speedup
+
+    def token_ms(self, gamma: int) -> float:
+        """Milliseconds a token at ``gamma``: (gamma T_D + T_V(gamma)) / Omega (the batch's)."""
+        return relative_time(gamma, self.batch_alpha, self.t_d, 1.0, self.t_v[gamma])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,9 +251,10 @@ class Plan:
 
     ``timed``: the gammas whose T_V is timed (None: every one); each other gamma's T_V is read
     off the line through its nearest timed neighbours, and ``Measurement.interpolated`` says
-    which. ``t_t``: T_T as the autoregressive engine's decode step ("autoregressive", its own
-    prefill and step programs) or as the chain's verify of one token ("verify": the same forward
-    of one token and argmax, on the chain's state the other units use). ``reps`` and ``steps``:
+    which. ``t_t``: "autoregressive" times T_T as the autoregressive engine's decode step (its
+    own prefill and step programs); None leaves it out: it scales every gamma's and the tree's
+    time alike, so it only gives the predicted speedup over autoregressive decoding, which is
+    then not reported. ``reps`` and ``steps``:
     ``units.unit_ms``'s; ``rounds``: each unit timed that many times, the units taking turns,
     and the median kept (a burst of load then slows every unit alike, not one).
     ``alpha_gamma``: the gamma of the alpha run (None: ``middle``). ``workers``: programs
@@ -257,7 +264,7 @@ class Plan:
     fewer."""
 
     timed: tuple[int, ...] | None = None
-    t_t: str = "autoregressive"
+    t_t: str | None = "autoregressive"
     reps: int = 5
     steps: int = 8
     rounds: int = 1
@@ -291,7 +298,7 @@ def plan(gammas, backend: str | None = None) -> Plan:
     timed = (g[0], g[-1]) if len(g) > 2 else tuple(g)
     workers = max(1, min(len(os.sched_getaffinity(0)), 8))
     return Plan(
-        timed=timed, t_t="verify", reps=1, steps=4, rounds=3, alpha_gamma=g[0], workers=workers,
+        timed=timed, t_t=None, reps=1, steps=4, rounds=3, alpha_gamma=g[0], workers=workers,
         on_call=True,
     )  # fmt: skip
 
@@ -420,10 +427,7 @@ def measure(
     # every unit timed, as (what, unit, program, state, aux); a verify's program is any of the
     # chain's (it verifies what it is shown), a propose's the chain's at gamma 1
     timings = {}
-    if ar is None:
-        verify = chain.ENGINE.units(first)["verify"]
-        timings["T_T"] = ("one target verify of 1 token", verify, first, state, _zeros(batch, 0))
-    else:
+    if ar is not None:
         timings["T_T"] = (
             "one target decode step", autoregressive.ENGINE.units(ar)["verify"], ar, ar_state, None
         )  # fmt: skip
@@ -445,13 +449,13 @@ def measure(
     loop_s += 0.0 if whole else seconds[-1]
 
     rounds = {name: [] for name in timings}
-    for r in range(plan.rounds):
+    if plan.rounds > 1:
+        say(f"timing {', '.join(timings)} in {plan.rounds} interleaved rounds (batch {batch}, "
+            f"{context} cached tokens)")  # fmt: skip
+    for _ in range(plan.rounds):
         for name, (what, u, p, st, aux) in timings.items():
             if plan.rounds == 1:
                 say(f"timing {name}, {what} (batch {batch}, {context} cached tokens)")
-            elif r == 0 and name == "T_T":
-                say(f"timing {', '.join(timings)} in {plan.rounds} interleaved rounds (batch "
-                    f"{batch}, {context} cached tokens)")  # fmt: skip
             pflat = None if p is ar else dflat
             rounds[name].append(
                 units.unit_ms(u, p, tw.flat, pflat, st, reps=plan.reps, steps=plan.steps, aux=aux)
@@ -473,8 +477,8 @@ def measure(
         length, slowest = _first_tokens(run_prog, target, dw, ids, lens, run_state, alpha_tokens)
     alpha = alpha_from_acceptance_length(length, alpha_gamma)
     return Measurement(
-        batch, prefix, measured["T_T"], measured["T_D"], t_v, alpha, alpha_gamma, length,
-        slowest, interpolated=interpolated, t_t_unit=timings["T_T"][0],
+        batch, prefix, measured.get("T_T"), measured["T_D"], t_v, alpha, alpha_gamma, length,
+        slowest, interpolated=interpolated,
         loop_compile_s=loop_s if own else None,
     )  # fmt: skip
 
@@ -553,14 +557,15 @@ def measure_tree(
 
 def choose_shape(
     chain_m: Measurement, tree_m: TreeMeasurement | None = None, gammas=None
-) -> tuple[str, int | None, float]:
+) -> tuple[str, int | None, float | None]:
     """("chain", gamma, speedup) or ("tree", None, speedup): the shape the cost model predicts
-    fastest (ties: the chain) and its predicted speedup T_AR / T_SD."""
+    fastest (ties: the chain) and its predicted speedup T_AR / T_SD (None without T_T, which
+    the choice does not need: both shapes' times are relative to it)."""
     gamma, speedup = chain_m.choose(gammas)
     if tree_m is not None:
-        tree_speedup = 1.0 / tree_m.relative_time(chain_m.t_t)
-        if tree_speedup > speedup:
-            return "tree", None, tree_speedup
+        tree_ms = tree_m.relative_time(1.0)  # ms a token, as Measurement.token_ms
+        if tree_ms < chain_m.token_ms(gamma):
+            return "tree", None, None if chain_m.t_t is None else chain_m.t_t / tree_ms
     return "chain", gamma, speedup
 
 
@@ -605,7 +610,8 @@ def tune(
         how = plan(gammas)
         if progress:
             line = "" if how.timed is None else f" (timed at {', '.join(map(str, how.timed))})"
-            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): T_T, T_D, "
+            t_t = "T_T, " if how.t_t else ""
+            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): {t_t}T_D, "
                      f"T_V for gamma {', '.join(map(str, gammas))}{line}, alpha")  # fmt: skip
         m = measure(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
@@ -633,11 +639,7 @@ def compiled_pays(m: Measurement, best: int, tokens: int) -> bool:
     """Whether a call of ``tokens`` new tokens at ``best`` would save more time than compiling
     ``best``'s loop costs (the seconds the loop at ``m.alpha_gamma``, already compiled by the
     measuring, took), against running at ``m.alpha_gamma``."""
-    per_token_ms = {
-        g: m.t_t * relative_time(g, m.batch_alpha, m.t_d, m.t_t, m.t_v[g])
-        for g in (best, m.alpha_gamma)
-    }
-    saved_s = tokens * (per_token_ms[m.alpha_gamma] - per_token_ms[best]) / 1e3
+    saved_s = tokens * (m.token_ms(m.alpha_gamma) - m.token_ms(best)) / 1e3
     return saved_s > m.loop_compile_s
 
 
@@ -659,17 +661,18 @@ def _choice(
         and m.alpha_gamma in m.t_v and not compiled_pays(m, gamma, tokens)
     ):  # fmt: skip
         gamma = m.alpha_gamma
-        speedup = 1.0 / relative_time(gamma, m.batch_alpha, m.t_d, m.t_t, m.t_v[gamma])
+        speedup = None if m.t_t is None else m.t_t / m.token_ms(gamma)
     cost = dict(
         t_t_ms=m.t_t, t_d_ms=m.t_d, t_v_ms=dict(m.t_v), alpha=m.alpha,
         alpha_slowest_row=m.batch_alpha, prefix_bucket=m.prefix,
-        t_v_interpolated=list(m.interpolated), t_t_unit=m.t_t_unit, best_gamma=best,
+        t_v_interpolated=list(m.interpolated), best_gamma=best,
         alpha_gamma=m.alpha_gamma, loop_compile_s=m.loop_compile_s,
     )  # fmt: skip
     if tm is not None:
         cost["tree"] = dict(
             t_e_ms=tm.t_e, t_v_ms=tm.t_v, acceptance_length=tm.acceptance_length,
-            predicted_speedup=1.0 / tm.relative_time(m.t_t),
+            token_ms=tm.relative_time(1.0),
+            predicted_speedup=None if m.t_t is None else 1.0 / tm.relative_time(m.t_t),
         )  # fmt: skip
     if chosen_shape == "tree":
         new = dataclasses.replace(options, shape="tree", gamma="auto")
