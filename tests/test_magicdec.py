@@ -392,6 +392,29 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     assert cm["best_gamma"] in (1, 2, 4) and cm["loop_compile_s"] > 0
 
 
+def test_magicdec_auto_with_a_gpus_plan_times_every_term(monkeypatch):
+    """A GPU's plan (run here on the CPU) times T_T (the autoregressive step), T_D and T_V at
+    every candidate on random prompts of the bucket, and measures alpha at the middle gamma on
+    the call's own streamed loop, which the run then finds compiled."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2))
+    monkeypatch.setattr(cost_model, "plan", lambda gammas: cost_model.Plan())
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    s = api.stream(
+        target, ps, draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET
+    )
+    list(s)
+    r = s.result
+    assert sorted(names) == sorted(
+        ["_init", "_init", "_stream_init", "_stream_segment", *["_looped"] * 4]
+    )  # the AR and chain prefills, T_T, T_D, T_V(1, 2), the call's loop at gamma 2
+    cm = r.stats["cost_model"]
+    assert r.tokens == ref and cm["t_v_interpolated"] == [] and set(cm["t_v_ms"]) == {1, 2}
+    assert cm["t_t_ms"] > 0 and r.stats["predicted_speedup"] > 0 and cm["alpha_gamma"] == 2
+    assert r.stats["gamma"] == 2 and r.stats["compile_s"] == 0.0
+
+
 def test_the_measuring_call_keeps_its_compiled_gamma_unless_another_repays_its_compile():
     m = cost_model.Measurement(
         1, 64, 10.0, 1.0, {1: 11.0, 2: 12.0, 4: 14.0}, 0.9, 1, 1.9, loop_compile_s=5.0

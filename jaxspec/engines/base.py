@@ -507,9 +507,10 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
     if not todo:
         return seconds
     if progress is not None:
-        where = f" on {workers} threads" if workers > 1 and len(todo) > 1 else ""
-        names = "; ".join(j.what or getattr(j.fn, "__name__", "a program") for _, _, j in todo)
-        progress(f"compiling {len(todo)} programs{where}: {names}")
+        names = [j.what or getattr(j.fn, "__name__", "a program") for _, _, j in todo]
+        where = f" on {workers} threads" if workers > 1 else ""
+        many = f"{len(todo)} programs{where}: " if len(todo) > 1 else ""
+        progress(f"compiling {many}{'; '.join(names)}")
 
     def timed(lowered, options):
         with Timer() as t:

@@ -277,17 +277,19 @@ def plan(gammas, backend: str | None = None) -> Plan:
     """How ``tune`` measures on ``backend`` (default: JAX's). A GPU times every term.
 
     A CPU, where each program costs seconds of compiling (SmolLM2-135M on 2 cores: 2.3-3.1 s
-    a unit, 5-7 s the loop's segment; the whole measuring took 50 s), compiles fewer and times
-    less; measured there at batch 1, prefix 64 (medians of 7 interleaved rounds):
+    a unit, 5-7 s the loop's segment; the whole measuring took 47-50 s), compiles fewer and
+    times less (16 s there, the run then compiling nothing); measured there at batch 1, prefix
+    64 (medians of 7 interleaved rounds):
 
     - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
       31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
-    - T_T is a one-token verify on the units' state: 24.8 ms against the autoregressive step's
-      24.2, without the autoregressive engine's own prefill and step (8.0 s of compiling). It
-      is no point of T_V's line (31.0 there at gamma 0): one token runs as matrix-vector work.
+    - T_T is not timed (``Plan.t_t``): no choice depends on it. Its cheapest program, a
+      one-token verify (24.8 ms; the autoregressive step 24.2, whose own prefill and step
+      programs took 8.0 s of compiling), cost about 5 s of compile CPU; it is no point of T_V's
+      line (31.0 there at gamma 0): one token runs as matrix-vector work.
     - The units run on the call's own prefill (``Plan.on_call``): one prefill program fewer.
     - Each unit is timed in 3 interleaved rounds of 4 steps (the first round runs slow: a
-      program's first calls), not 5 x 8 steps in a row: 4 s for the four units.
+      program's first calls), not 5 x 8 steps in a row: 3 s for the three units.
     - Alpha is measured at the smallest gamma, on the call's own program, where ``_choice``
       keeps the measuring call unless another gamma repays its compile.
     - The programs compile on every core (up to 8): five of them took 16.2 s on two threads,
