@@ -371,13 +371,15 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     ref = reference(target, ps)
     names = _compiles(monkeypatch)
     opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET)
-    if streamed:
+
+    def run():
+        if not streamed:
+            return generate(target, ps, **opts)
         s = api.stream(target, ps, **opts)
-        pieces = list(s)
-        r = s.result
-        assert pieces
-    else:
-        r = generate(target, ps, **opts)
+        assert list(s)
+        return s.result
+
+    r = run()
     looped = ["_looped"] * 3
     if streamed:
         assert sorted(names) == sorted(["_stream_init", *looped, "_stream_segment"])
@@ -390,6 +392,9 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     assert t_v[2] == pytest.approx(t_v[1] + (t_v[4] - t_v[1]) / 3)
     # a tiny model's gammas differ by microseconds a token: no other gamma repays a compile
     assert cm["best_gamma"] in (1, 2, 4) and cm["loop_compile_s"] > 0
+    again = run()  # the profile kept: the same gamma, nothing compiled
+    assert again.stats["gamma"] == 1 and again.stats["compile_s"] == 0.0 and again.tokens == ref
+    assert len(names) == 5
 
 
 def test_magicdec_auto_with_a_gpus_plan_times_every_term(monkeypatch):

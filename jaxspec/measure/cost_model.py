@@ -607,7 +607,6 @@ def tune(
     key = ("magicdec", target.layout, d, b, bucket, gammas)
     described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
     m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
-    tokens = None  # this call's new tokens, when its loop at the alpha gamma was compiled here
     if m is None:
         how = plan(gammas)
         if progress:
@@ -620,7 +619,9 @@ def tune(
             lens=lens, req=req, streamed=streamed, plan=how, progress=progress,
         )  # fmt: skip
         profiles.keep(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, m)
-        tokens = None if req is None or m.loop_compile_s is None else req.max_new
+    # the measuring call compiled its loop at the alpha gamma, and the persistent compile cache
+    # keeps it for a later process: every call weighs switching away against that compile
+    tokens = None if req is None or m.loop_compile_s is None else req.max_new
     tm = None
     if shape == "auto":
         tkey, tdesc = (*key, "tree", options.tree_shape), {**described, "kind": "magicdec-tree"}
@@ -649,13 +650,16 @@ def _choice(
     options: magicdec.Options, m: Measurement, tm: TreeMeasurement | None, tokens=None
 ):  # fmt: skip
     """(the options with the shape and gamma the cost model picks, the record of the choice).
-    ``tokens``: the measuring call's new tokens, when its loop at ``m.alpha_gamma`` is compiled
-    (``measure``'s alpha run): it runs at that gamma unless the cost model's best gamma saves
-    more than its compile costs (``compiled_pays``). On 2 loaded cores the self-streaming
-    SmolLM2 draft's gammas 1 and 4 came within timing noise of each other (T_V hardly grows
-    with gamma there and alpha is 1 while the prompt fits the budget: 1.997 and 1.994 x T_AR in
-    one run), so the noise picked 1, 2 or 4, and the run at a gamma other than the alpha run's
-    compiled its loop again (8-39 s in those runs) to gain nothing measurable."""
+    ``tokens``: the call's new tokens, when the measuring compiled the call's loop at
+    ``m.alpha_gamma`` (``measure``'s alpha run; ``m.loop_compile_s``): the call runs at that
+    gamma unless the cost model's best gamma saves more than its compile costs
+    (``compiled_pays``), the measuring call and every later one alike, so a later process of the
+    same shapes finds the measuring call's loop in the persistent compile cache. On 2 loaded
+    cores the self-streaming SmolLM2 draft's gammas 1 and 4 came within timing noise of each
+    other (T_V hardly grows with gamma there and alpha is 1 while the prompt fits the budget:
+    1.997 and 1.994 x T_AR in one run), so the noise picked 1, 2 or 4; a run at a gamma other
+    than the alpha run's compiled its loop again (8-39 s in those runs) to gain nothing
+    measurable, and so did a later process that chose by the kept profile alone (27 s)."""
     chosen_shape, gamma, speedup = choose_shape(m, tm)
     best = gamma
     if (
