@@ -517,7 +517,8 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
             exe = lowered.compile(compiler_options=options)
         return exe, t.s
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), "jaxspec-compile")
+    try:
         pending = []
         for i, full, j in todo:
             donated = tuple(k + 1 for k in j.donate)
@@ -532,6 +533,10 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
             seconds[i] += s
             with _COMPILE_LOCK:
                 _keep(full, exe)
+    except BaseException:  # a Ctrl-C waits for the compiles under way only, not the queued
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return seconds
 
 

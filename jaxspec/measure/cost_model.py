@@ -298,7 +298,8 @@ def plan(gammas, backend: str | None = None) -> Plan:
         return Plan()
     g = sorted(set(gammas))
     timed = (g[0], g[-1]) if len(g) > 2 else tuple(g)
-    workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(cores or 1, 8))
     return Plan(
         timed=timed, t_t=None, reps=1, steps=4, rounds=3, alpha_gamma=g[0], workers=workers,
         on_call=True,
