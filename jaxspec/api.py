@@ -91,12 +91,15 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     kernels=None,
     progress=None,
     profile_dir=None,
+    streamed=False,
     **method_options,
 ) -> Call:
     """Everything ``generate`` resolves before running: the engine, its program, the inputs.
     ``progress(message)`` hears of each wait before it starts (a measurement of open options,
     a compile); default: silent. ``profile_dir``: a folder where measurements of open options
-    are kept for later processes (``measure.profiles``; default: none)."""
+    are kept for later processes (``measure.profiles``; default: none). ``streamed``: the call
+    will run streamed (``stream``), so a measurement that runs the call's own program (MagicDec's
+    alpha) compiles the streamed programs the run then finds."""
     if not isinstance(target, Model):
         raise OptionError(
             f"target must be a jaxspec.Model (from jaxspec.load), got {type(target).__name__}."
@@ -136,7 +139,7 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     if engine.open_choices(options):
         options, chosen = tuning.tune(
             engine, target, draft, options, padded, lens, req, kernels, progress=progress,
-            profile_dir=profile_dir,
+            profile_dir=profile_dir, streamed=bool(streamed),
         )  # fmt: skip
     prog, dweights = engine.program(target, draft, options, req, kernels)
     return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen, progress)
@@ -233,7 +236,8 @@ def stream(
     call = prepare(
         target, prompts, draft=draft, method=method, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
-        kernels=kernels, progress=progress, profile_dir=profile_dir, **method_options,
+        kernels=kernels, progress=progress, profile_dir=profile_dir, streamed=True,
+        **method_options,
     )  # fmt: skip
     return Stream(call, base.stream_steps(segment_steps))
 

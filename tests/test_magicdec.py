@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import api
 from jaxspec.api import generate
 from jaxspec.config import ModelConfig
 from jaxspec.engines import base, chain, magicdec
@@ -325,9 +326,119 @@ def test_magicdec_auto_gamma(monkeypatch):
     assert r.stats["gamma"] in (2, 3)
     cm = r.stats["cost_model"]
     assert cm["alpha"] == 1.0  # the target is its own dense draft
-    assert set(cm["t_v_ms"]) == {2, 3} and cm["t_t_ms"] > 0 and cm["t_d_ms"] > 0
+    assert set(cm["t_v_ms"]) == {2, 3} and cm["t_d_ms"] > 0
     assert cm["prefix_bucket"] == 32
-    assert r.stats["predicted_speedup"] > 0
+    # a CPU leaves T_T out (no choice depends on it): no speedup over autoregressive decoding
+    assert cm["t_t_ms"] is None and r.stats["predicted_speedup"] is None
+
+
+def test_cost_model_plans_and_the_line_of_t_v():
+    cpu = cost_model.plan((1, 2, 4), "cpu")
+    assert (cpu.timed, cpu.t_t, cpu.alpha_gamma, cpu.on_call) == ((1, 4), None, 1, True)
+    assert cost_model.plan((1, 2), "cpu").timed == (1, 2)
+    gpu = cost_model.plan(range(1, 9), "gpu")  # a GPU times every term, T_T the AR step
+    assert gpu == cost_model.Plan() and gpu.timed is None and gpu.t_t == "autoregressive"
+    assert cost_model.interpolate({1: 40.0, 4: 55.0}, (1, 2, 3, 4)) == {
+        1: 40.0, 2: 45.0, 3: 50.0, 4: 55.0,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="outside"):
+        cost_model.interpolate({1: 40.0, 4: 55.0}, (1, 4, 5))
+
+
+def _compiles(monkeypatch) -> list[str]:
+    """The names of the programs compiled from now on (into an emptied compile cache)."""
+    names: list[str] = []
+    keep = base._keep
+
+    def counted(full, exe):
+        names.append(full[0].__name__)
+        keep(full, exe)
+
+    monkeypatch.setattr(base, "_COMPILED", type(base._COMPILED)())
+    monkeypatch.setattr(base, "_keep", counted)
+    return names
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streamed):
+    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles five programs: the call's own loop at
+    gamma 1, where alpha is measured (a streamed call: its prefill, whose state the units are
+    timed on, and its segment; a call of at most 32 tokens: the whole loop, and a prefill for the
+    units), T_D, and T_V at gamma 1 and 4 (T_V(2) is read off their line, and the stats say so);
+    no T_T. The run at gamma 1 then finds its programs compiled."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET)
+
+    def run():
+        if not streamed:
+            return generate(target, ps, **opts)
+        s = api.stream(target, ps, **opts)
+        assert list(s)
+        return s.result
+
+    r = run()
+    looped = ["_looped"] * 3
+    if streamed:
+        assert sorted(names) == sorted(["_stream_init", *looped, "_stream_segment"])
+    else:
+        assert sorted(names) == sorted(["_init", "decode", *looped])
+    assert r.tokens == ref and r.stats["gamma"] == 1 and r.stats["compile_s"] == 0.0
+    cm = r.stats["cost_model"]
+    assert cm["t_v_interpolated"] == [2] and cm["t_t_ms"] is None
+    t_v = cm["t_v_ms"]
+    assert t_v[2] == pytest.approx(t_v[1] + (t_v[4] - t_v[1]) / 3)
+    # a tiny model's gammas differ by microseconds a token: no other gamma repays a compile
+    assert cm["best_gamma"] in (1, 2, 4) and cm["loop_compile_s"] > 0
+    again = run()  # the profile kept: the same gamma, nothing compiled
+    assert again.stats["gamma"] == 1 and again.stats["compile_s"] == 0.0 and again.tokens == ref
+    assert len(names) == 5
+
+
+def test_magicdec_auto_with_a_gpus_plan_times_every_term(monkeypatch):
+    """A GPU's plan (run here on the CPU) times T_T (the autoregressive step), T_D and T_V at
+    every candidate on random prompts of the bucket, and measures alpha at the middle gamma on
+    the call's own streamed loop, which the run then finds compiled."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2))
+    monkeypatch.setattr(cost_model, "plan", lambda gammas: cost_model.Plan())
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    s = api.stream(
+        target, ps, draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET
+    )
+    list(s)
+    r = s.result
+    assert sorted(names) == sorted(
+        ["_init", "_init", "_stream_init", "_stream_segment", *["_looped"] * 4]
+    )  # the AR and chain prefills, T_T, T_D, T_V(1, 2), the call's loop at gamma 2
+    cm = r.stats["cost_model"]
+    assert r.tokens == ref and cm["t_v_interpolated"] == [] and set(cm["t_v_ms"]) == {1, 2}
+    assert cm["t_t_ms"] > 0 and r.stats["predicted_speedup"] > 0 and cm["alpha_gamma"] == 2
+    assert r.stats["gamma"] == 2 and r.stats["compile_s"] == 0.0
+
+
+def test_the_measuring_call_keeps_its_compiled_gamma_unless_another_repays_its_compile():
+    m = cost_model.Measurement(
+        1, 64, 10.0, 1.0, {1: 11.0, 2: 12.0, 4: 14.0}, 0.9, 1, 1.9, loop_compile_s=5.0
+    )
+    assert m.choose() == (4, pytest.approx(10.0 / (18.0 / magicdec.omega(4, 0.9))))
+    # per token: gamma 1 costs 12 / 1.9 = 6.32 ms, gamma 4 18 / 4.095 = 4.40 ms; 5 s of compile
+    # are repaid after 2604 tokens
+    assert cost_model.compiled_pays(m, 4, 2700) and not cost_model.compiled_pays(m, 4, 2500)
+    opts = magicdec.Options(shape="chain")
+    assert cost_model._choice(opts, m, None, 100)[0].gamma == 1
+    _, chosen = cost_model._choice(opts, m, None, 100)
+    assert chosen["chosen"]["gamma"] == 1 and chosen["stats"]["cost_model"]["best_gamma"] == 4
+    assert chosen["stats"]["predicted_speedup"] == pytest.approx(10.0 / (12.0 / 1.9))
+    assert cost_model._choice(opts, m, None, 10_000)[0].gamma == 4
+    assert cost_model._choice(opts, m, None, None)[0].gamma == 4  # a kept profile: nothing built
+    no_t_t = dataclasses.replace(m, t_t=None)  # T_T scales every gamma alike: the same choices
+    assert no_t_t.choose() == (4, None)
+    _, chosen = cost_model._choice(opts, no_t_t, None, 100)
+    assert chosen["chosen"]["gamma"] == 1 and chosen["stats"]["predicted_speedup"] is None
 
 
 def test_magicdec_user_errors():

@@ -9,7 +9,10 @@ from jaxspec.measure.cost_model import Measurement, TreeMeasurement
 from tests import tiny
 
 DESCRIPTION = {"kind": "magicdec-chain", "batch": 1, "prefix_bucket": 64, "gammas": [1, 2, 4]}
-CHAIN = Measurement(1, 64, 40.3, 9.5, {1: 40.3, 2: 45.1, 4: 56.1}, 0.7, 2, 2.2, 2.0)
+CHAIN = Measurement(
+    1, 64, 40.3, 9.5, {1: 40.3, 2: 45.1, 4: 56.1}, 0.7, 2, 2.2, 2.0, interpolated=(2,),
+    loop_compile_s=7.5,
+)  # fmt: skip
 TREE = TreeMeasurement(4, 8, 4, 8, 11.0, 60.0, 3.1, 2.9)
 
 

@@ -24,6 +24,7 @@ would import the others.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import queue
@@ -453,33 +454,137 @@ def compiled(
             _COMPILED.move_to_end(full)
             return exe, 0.0
         with Timer() as t:
-            options = {**compiler_options(static), **dict(extra)}
-            exe = _compile(fn, static, args, key, donate, options, progress, what)
-        _COMPILED[full] = exe
-        while len(_COMPILED) > MAX_PROGRAMS:
-            _COMPILED.popitem(last=False)
+            options = _options(static, extra)
+            where, name, exe = _stored(full, options)
+            if exe is None:
+                if progress is not None:
+                    progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
+                exe = _finish(_lower(full, args), options, where, name)
+        _keep(full, exe)
     return exe, t.s
 
 
-def _compile(fn, static, args, key, donate, options, progress, what: str):
-    """A program not in memory: from the disk store (``executables``, when JAX's persistent
-    cache is on) without tracing it, else traced, compiled and kept there."""
+def _keep(full, exe) -> None:
+    """Put a program in the cache (the lock held), dropping the least recently used."""
+    _COMPILED[full] = exe
+    while len(_COMPILED) > MAX_PROGRAMS:
+        _COMPILED.popitem(last=False)
+
+
+def _options(static, extra: tuple) -> dict:
+    """A program's XLA options: its kernels' (``compiler_options``), then its own."""
+    return {**compiler_options(static), **dict(extra)}
+
+
+def _stored(full: tuple, options: dict):
+    """(folder, name, program) of ``full`` in the disk store (``executables``, when JAX's
+    persistent cache is on): the program is None when not kept, the name too when the store is
+    off or the program cannot be kept."""
+    fn, static, key, donate, _ = full
     where = executables.folder()
-    name = None if where is None else executables.digest(fn, static, key, donate, options)
-    if name is not None:
-        exe = executables.load(where, name)
-        if exe is not None:
-            return exe
-    if progress is not None:
-        progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
+    if where is None:
+        return None, None, None
+    name = executables.digest(fn, static, key, donate, options)
+    return where, name, None if name is None else executables.load(where, name)
+
+
+def _lower(full: tuple, args):
+    fn, static, _, donate, _ = full
     donated = tuple(i + 1 for i in donate)
-    lowered = jax.jit(fn, static_argnums=0, donate_argnums=donated).lower(static, *args)
+    return jax.jit(fn, static_argnums=0, donate_argnums=donated).lower(static, *args)
+
+
+def _finish(lowered, options: dict, where, name):
+    """Compile a lowered program, keeping it in the disk store when it has a ``name`` there."""
     if name is None:
         return lowered.compile(compiler_options=options)
     with executables.fresh():
         exe = lowered.compile(compiler_options=options)
     executables.keep(where, name, exe)
     return exe
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One program as ``compiled`` takes it, for compiling several at once (``compile_all``);
+    ``what`` names it in progress messages, ``options`` are ``compiled``'s as sorted items."""
+
+    fn: Callable
+    static: Any
+    args: tuple
+    key: Any
+    donate: tuple[int, ...] = ()
+    what: str = ""
+    options: tuple = ()
+
+    @property
+    def full(self) -> tuple:
+        """Its key in the compile cache."""
+        return (self.fn, self.static, self.key, self.donate, self.options)
+
+    def compiled(self, progress=None) -> tuple[Any, float]:
+        """``compiled(...)`` of this job: (executable, compile seconds)."""
+        return compiled(
+            self.fn, self.static, self.args, self.key, donate=self.donate, progress=progress,
+            what=self.what, options=dict(self.options),
+        )  # fmt: skip
+
+
+def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
+    """Compile the ``jobs`` not yet in the cache, ``workers`` at once: each is read from the disk
+    store or lowered here, one after another (tracing holds Python's lock), and compiled on a
+    pool of ``workers`` threads (XLA releases the lock while it compiles, so the next one traces
+    meanwhile, even with one worker). ``progress(message)`` hears of them first. Returns each
+    job's seconds (loading, or lowering and compiling; 0 for one found in memory).
+
+    On a CPU XLA compiles one program on one core: two SmolLM2 verify programs took 9.8 s one
+    after the other and 5.9 s on two threads of two cores (``measure.cost_model.plan``)."""
+    jobs = list(jobs)
+    seconds = [0.0] * len(jobs)
+    todo, seen = [], set()
+    for i, j in enumerate(jobs):
+        if j.full in seen or j.full in _COMPILED:
+            continue
+        seen.add(j.full)
+        todo.append((i, j))
+    if not todo:
+        return seconds
+    if progress is not None:
+        names = [j.what or getattr(j.fn, "__name__", "a program") for _, j in todo]
+        where = f" on {workers} threads" if workers > 1 else ""
+        many = f"{len(todo)} programs{where}: " if len(todo) > 1 else ""
+        progress(f"compiling {many}{'; '.join(names)}")
+
+    def timed(lowered, options, where, name):
+        with Timer() as t:
+            exe = _finish(lowered, options, where, name)
+        return exe, t.s
+
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), "jaxspec-compile")
+    try:
+        pending = []
+        for i, j in todo:
+            with Timer() as t:
+                options = _options(j.static, j.options)
+                where, name, exe = _stored(j.full, options)
+                if exe is None:
+                    lowered = _lower(j.full, j.args)
+            seconds[i] = t.s
+            if exe is not None:
+                with _COMPILE_LOCK:
+                    _keep(j.full, exe)
+                continue
+            pending.append((i, j.full, pool.submit(timed, lowered, options, where, name)))
+        for i, full, future in pending:
+            exe, s = future.result()
+            seconds[i] += s
+            with _COMPILE_LOCK:
+                _keep(full, exe)
+    except BaseException:  # a Ctrl-C waits for the compiles under way only, not the queued
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return seconds
 
 
 def compiler_options(static) -> dict:
@@ -518,13 +623,18 @@ def on_device(
     called, waited for. Returns (outputs as numpy, wall seconds, compile seconds)."""
     seed = np.uint32(seed)
     dflat = None if draft is None else draft.flat
-    key = _run_key(target, draft, ids, lens, seed)
-    exe, compile_s = compiled(
-        fn, prog, (target.flat, dflat, ids, lens, seed), key, progress=progress, what=what
-    )
+    exe, compile_s = run_job(fn, prog, target, draft, ids, lens, seed, what).compiled(progress)
     with Timer() as t:  # every process gets the outputs, however the weights are laid out
         out = distributed.fetch(exe(target.flat, dflat, ids, lens, seed))
     return out, t.s, compile_s
+
+
+def run_job(fn, prog, target: Weights, draft: Weights | None, ids, lens, seed, what="") -> Job:
+    """``on_device``'s program ``fn(prog, tflat, dflat, ids, lens, seed)`` as a ``Job``."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    key = _run_key(target, draft, ids, lens, seed)
+    return Job(fn, prog, (target.flat, dflat, ids, lens, seed), key, what=what)
 
 
 def _run_key(target: Weights, draft: Weights | None, *small) -> tuple:
@@ -585,6 +695,28 @@ def _stream_segment(static, tflat, dflat, s, limit):
     return s, s.out  # the output twice: the state's is donated to the next segment
 
 
+def stream_init_job(engine: Engine, prog, target: Weights, draft, ids, lens, seed) -> Job:
+    """The first program of a streamed loop (``segments``): ``init``, returning (state, out)."""
+    seed = np.uint32(seed)
+    dflat = None if draft is None else draft.flat
+    return Job(
+        _stream_init, (engine, prog), (target.flat, dflat, ids, lens, seed),
+        _run_key(target, draft, ids, lens, seed), what=f"the prefill of {loop_name(engine, prog)}",
+    )  # fmt: skip
+
+
+def segment_job(engine: Engine, prog, target: Weights, draft, ids, lens, seed, state) -> Job:
+    """A streamed loop's segment program (``segments``): ``(tflat, dflat, state, limit) ->
+    (state, out)``, the state donated; ``state`` is what its ``stream_init_job`` returned."""
+    dflat = None if draft is None else draft.flat
+    return Job(
+        _stream_segment, (engine, prog), (target.flat, dflat, state, np.int32(1)),
+        _run_key(target, draft, ids, lens, np.uint32(seed)), donate=(2,),
+        what=f"a segment of {loop_name(engine, prog)}",
+        options=tuple(sorted(STREAM_XLA_OPTIONS.get(jax.default_backend(), {}).items())),
+    )  # fmt: skip
+
+
 def segments(
     engine: Engine, prog, target: Weights, draft: Weights | None, ids, lens, seed: int, *,
     steps: int, progress=None,
@@ -604,22 +736,16 @@ def segments(
     on an H200, benchmarks/results/small_model.json)."""
     seed = np.uint32(seed)
     dflat = None if draft is None else draft.flat
-    static, key = (engine, prog), _run_key(target, draft, ids, lens, seed)
-    what = loop_name(engine, prog)
-    first, compile_s = compiled(
-        _stream_init, static, (target.flat, dflat, ids, lens, seed), key, progress=progress,
-        what=f"the prefill of {what}",
-    )  # fmt: skip
+    first, compile_s = stream_init_job(engine, prog, target, draft, ids, lens, seed).compiled(
+        progress
+    )
     t0 = time.perf_counter()
     s, snap = first(target.flat, dflat, ids, lens, seed)
     snap = _fetching(snap)
     limit = np.int32(steps)
     # compiled while the prefill runs; its seconds are taken out of the wall below
-    seg, seg_compile_s = compiled(
-        _stream_segment, static, (target.flat, dflat, s, limit), key, donate=(2,),
-        progress=progress, what=f"a segment of {what}",
-        options=STREAM_XLA_OPTIONS.get(jax.default_backend(), {}),
-    )  # fmt: skip
+    job = segment_job(engine, prog, target, draft, ids, lens, seed, s)
+    seg, seg_compile_s = job.compiled(progress)
     done, stop = queue.SimpleQueue(), threading.Event()
     worker = threading.Thread(
         target=_dispatch, args=(lambda s: seg(target.flat, dflat, s, limit), s, done, stop),

@@ -39,6 +39,8 @@ the formulas are short, and each measurement needs the others' programs and prom
 from __future__ import annotations
 
 import dataclasses
+import os
+import statistics
 from collections.abc import Callable, Iterable
 
 import jax
@@ -151,13 +153,17 @@ def analytic_times(
 class Measurement:
     batch: int
     prefix: int
-    t_t: float  # ms, one autoregressive target step
+    t_t: float | None  # ms, one autoregressive target step (None: not timed, ``Plan.t_t``)
     t_d: float  # ms, one draft step
     t_v: dict[int, float]  # gamma -> ms, one verify of gamma + 1 tokens
     alpha: float
     alpha_gamma: int
     acceptance_length: float
     slowest_length: float | None = None  # the row that accepted least (None: as the mean)
+    interpolated: tuple[int, ...] = ()  # gammas whose T_V was not timed (``Plan.timed``)
+    # seconds the measuring call's own loop at alpha_gamma took to compile (the alpha run's
+    # programs; None: the alpha run had programs of its own)
+    loop_compile_s: float | None = None
 
     @property
     def batch_alpha(self) -> float:
@@ -166,9 +172,16 @@ class Measurement:
             return self.alpha
         return alpha_from_acceptance_length(self.slowest_length, self.alpha_gamma)
 
-    def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float]:
+    def choose(self, gammas: Iterable[int] | None = None) -> tuple[int, float | None]:
+        """The best gamma and its predicted speedup over autoregressive decoding (None without
+        T_T: T_T scales every gamma's time alike, so the choice needs none)."""
         gammas = gammas or sorted(self.t_v)
-        return choose_gamma(self.t_d, self.t_t, self.t_v, self.batch_alpha, gammas)
+        best, speedup = choose_gamma(self.t_d, self.t_t or 1.0, self.t_v, self.batch_alpha, gammas)
+        return best, None if self.t_t is None else speedup
+
+    def token_ms(self, gamma: int) -> float:
+        """Milliseconds a token at ``gamma``: (gamma T_D + T_V(gamma)) / Omega (the batch's)."""
+        return relative_time(gamma, self.batch_alpha, self.t_d, 1.0, self.t_v[gamma])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +229,11 @@ def _timed(engine, prog, tw, dw, ids, lens, unit: str, reps: int) -> float:
 def _short_run(engine, prog, target, dw, ids, lens):
     """A short greedy run's (mean tokens per verification, slowest row's)."""
     out, _, _ = base.on_device(engine.decode, prog, target.weights, dw, ids, lens, 0)
+    return _lengths(out)
+
+
+def _lengths(out) -> tuple[float, float]:
+    """(mean tokens per verification, the slowest row's) of a run's ``Out`` (numpy)."""
     length = float(np.asarray(out.emitted).sum() / max(np.asarray(out.live_steps).sum(), 1))
     return length, slowest_row_length(out.emitted, out.live_steps)
 
@@ -225,6 +243,90 @@ def _quiet(message: str) -> None:
 
 
 _SNAPSHOT = jax.jit(tree.snapshot, static_argnums=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``measure`` compiles and times (``plan``: this backend's).
+
+    ``timed``: the gammas whose T_V is timed (None: every one); each other gamma's T_V is read
+    off the line through its nearest timed neighbours, and ``Measurement.interpolated`` says
+    which. ``t_t``: "autoregressive" times T_T as the autoregressive engine's decode step (its
+    own prefill and step programs); None leaves it out: it scales every gamma's and the tree's
+    time alike, so it only gives the predicted speedup over autoregressive decoding, which is
+    then not reported. ``reps`` and ``steps``:
+    ``units.unit_ms``'s; ``rounds``: each unit timed that many times, the units taking turns,
+    and the median kept (a burst of load then slows every unit alike, not one).
+    ``alpha_gamma``: the gamma of the alpha run (None: ``middle``). ``workers``: programs
+    compiled at once (``base.compile_all``). ``on_call``: the units timed on the call's own
+    prefill (the alpha run's, its caches moved on towards ``prefix`` as far as they hold the
+    largest verify) instead of on random prompts of ``prefix`` tokens: one prefill program
+    fewer."""
+
+    timed: tuple[int, ...] | None = None
+    t_t: str | None = "autoregressive"
+    reps: int = 5
+    steps: int = 8
+    rounds: int = 1
+    alpha_gamma: int | None = None
+    workers: int = 1
+    on_call: bool = False
+
+
+def plan(gammas, backend: str | None = None) -> Plan:
+    """How ``tune`` measures on ``backend`` (default: JAX's). A GPU times every term.
+
+    A CPU, where each program costs seconds of compiling (SmolLM2-135M on 2 cores: 2.3-3.1 s
+    a unit, 5-7 s the loop's segment; the whole measuring took 47-50 s), compiles fewer and
+    times less (16 s there, the run then compiling nothing); measured there at batch 1, prefix
+    64 (medians of 7 interleaved rounds):
+
+    - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
+      31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
+    - T_T is not timed (``Plan.t_t``): no choice depends on it. Its cheapest program, a
+      one-token verify (24.8 ms; the autoregressive step 24.2, whose own prefill and step
+      programs took 8.0 s of compiling), cost about 5 s of compile CPU; it is no point of T_V's
+      line (31.0 there at gamma 0): one token runs as matrix-vector work.
+    - The units run on the call's own prefill (``Plan.on_call``): one prefill program fewer.
+    - Each unit is timed in 3 interleaved rounds of 4 steps (the first round runs slow: a
+      program's first calls), not 5 x 8 steps in a row: 3 s for the three units.
+    - Alpha is measured at the smallest gamma, on the call's own program, where ``_choice``
+      keeps the measuring call unless another gamma repays its compile.
+    - The programs compile on every core (up to 8): five of them took 16.2 s on two threads,
+      17.5 s on one (XLA's compile of one program already keeps 1.5 cores busy)."""
+    if (backend or jax.default_backend()) == "gpu":
+        return Plan()
+    g = sorted(set(gammas))
+    timed = (g[0], g[-1]) if len(g) > 2 else tuple(g)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(cores or 1, 8))
+    return Plan(
+        timed=timed, t_t=None, reps=1, steps=4, rounds=3, alpha_gamma=g[0], workers=workers,
+        on_call=True,
+    )  # fmt: skip
+
+
+def interpolate(t_v: dict[int, float], gammas) -> dict[int, float]:
+    """T_V at every gamma of ``gammas``: the timed ones of ``t_v`` as they are, the others on the
+    line through their nearest timed neighbours (which must bracket them)."""
+    timed = sorted(t_v)
+    out = {}
+    for g in sorted(set(gammas)):
+        if g in t_v:
+            out[g] = t_v[g]
+            continue
+        lo = max((t for t in timed if t < g), default=None)
+        hi = min((t for t in timed if t > g), default=None)
+        if lo is None or hi is None:
+            raise ValueError(f"T_V({g}) lies outside the timed gammas {timed}")
+        out[g] = t_v[lo] + (t_v[hi] - t_v[lo]) * (g - lo) / (hi - lo)
+    return out
+
+
+# A call of fewer new tokens than this measures alpha on a run of its own (``alpha_tokens``
+# long) rather than on the call's program: its few verifications would leave the kept profile
+# a guess.
+ALPHA_MIN_TOKENS = 8
 
 
 def measure(
@@ -238,58 +340,170 @@ def measure(
     kernels=None,
     ids=None,
     lens=None,
-    alpha_gamma: int = 4,
+    req: base.Request | None = None,
+    streamed: bool = True,
+    plan: Plan | None = None,
     alpha_tokens: int = 32,
-    reps: int = 5,
     seed: int = 0,
     progress=None,
 ) -> Measurement:
     """T_T, T_D and T_V(gamma) on random prompts of ``batch`` x ``prefix`` through the engines'
-    units, and alpha from a short greedy chain run at ``alpha_gamma`` (on ``ids``/``lens`` when
-    given, else on the random prompts). ``draft``: what ``generate`` takes for magicdec;
-    ``options``: its draft options (budget, sinks, ...); ``progress(message)`` before each part.
+    units, and alpha from a short greedy chain run at ``plan.alpha_gamma`` on ``ids``/``lens``
+    when given (else on the random prompts). ``draft``: what ``generate`` takes for magicdec;
+    ``options``: its draft options (budget, sinks, ...); ``plan``: what is timed and how
+    (default: every term); ``progress(message)`` before each part.
 
     The chain programs of every gamma are built with one cache capacity, so one state (after
     the prefill) serves all their units, and a verify is timed on a proposal of zeros (a greedy
-    verify costs the same whatever it is shown): one compile per gamma instead of three."""
+    verify costs the same whatever it is shown): one compile per gamma instead of three.
+
+    The alpha run is the call's own program when ``req`` (the call's request) is given, greedy
+    and at least ``ALPHA_MIN_TOKENS`` long: its first ``alpha_tokens`` tokens, through the
+    streamed loop's programs when ``streamed`` (those ``jaxspec.stream`` and the CLI run), else
+    the whole loop when the call is no longer than ``alpha_tokens``. A run at the gamma the cost
+    model then chooses finds its programs compiled. Every program is compiled before any timing
+    (``base.compile_all``, ``plan.workers`` at once), so no compile runs beside a timing."""
+    plan = plan or Plan()
     options = options or magicdec.Options(gamma=max(gammas))
     say = progress or _quiet
     d, dw = magicdec.resolve_draft(target, draft, options, kernels)
     gammas = sorted(set(gammas))
     top = max(gammas)
+    timed = gammas if plan.timed is None else sorted(set(plan.timed) & set(gammas))
+    interpolate({g: 0.0 for g in timed}, gammas)  # the timed gammas bracket the others
+    alpha_gamma = plan.alpha_gamma or middle(gammas)
     rand_ids, rand_lens = _random_prompts(target.config, batch, prefix, seed)
-    tw = target.weights
-    say(f"timing T_T, one target decode step (batch {batch}, {prefix} cached tokens)")
-    ar, _ = autoregressive.ENGINE.program(
-        target, None, autoregressive.Options(), _request(batch, prefix, 2), kernels
-    )
-    t_t = _timed(autoregressive.ENGINE, ar, tw, None, rand_ids, rand_lens, "verify", reps)
+    tw, dflat = target.weights, None if dw is None else dw.flat
+    if ids is None:
+        ids, lens = rand_ids, rand_lens
 
     def chain_prog(g, r=None):
         r = r or _request(batch, prefix, 2 + top - g)  # the capacity of the largest gamma
         opts = magicdec.chain_options(options, g)
         return chain.ENGINE.program(target, None, opts, r, kernels, resolved=(d, dw))[0]
 
-    dflat = None if dw is None else dw.flat
-    first = chain_prog(gammas[0])
-    state = units.initial(chain.ENGINE, first, tw.flat, dflat, rand_ids, rand_lens)
-    say(f"timing T_D, one {type(d).__name__} draft step")
-    propose = chain.ENGINE.units(chain_prog(1))["draft"]
-    t_d = units.unit_ms(propose, chain_prog(1), tw.flat, dflat, state, reps=reps)
-    t_v = {}
-    for g in gammas:
-        say(f"timing T_V(gamma={g}), one target verify of {g + 1} tokens")
-        prog = chain_prog(g)
-        proposal = (np.zeros((batch, g), np.int32), None)
+    # the alpha run: the call's own program where it can be, else a run of its own
+    own = req is not None and req.sampling == GREEDY and req.max_new >= ALPHA_MIN_TOKENS
+    areq = dataclasses.replace(req, sampling=GREEDY) if own else None
+    whole = own and not streamed and areq.max_new <= alpha_tokens
+    areq = areq or _request(ids.shape[0], ids.shape[1], alpha_tokens)
+    run_prog = chain_prog(alpha_gamma, areq)
+    ar = None
+    if plan.t_t == "autoregressive":
+        ar_req = _request(batch, prefix, 2)
+        ar, _ = autoregressive.ENGINE.program(
+            target, None, autoregressive.Options(), ar_req, kernels
+        )
+    run_init = (
+        base.run_job(chain.decode, run_prog, tw, dw, ids, lens, 0, "the alpha run's loop")
+        if whole
+        else base.stream_init_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0)
+    )
+    if plan.on_call:  # the units' state: the call's prefill, its caches moved on towards prefix
+        first, unit_ids, unit_lens = run_prog, ids, lens
+        longest = int(np.max(lens))
+        shift = max(0, min(prefix - longest, run_prog.capacity - longest - top - 1))
+    else:  # random prompts of the prefix's length, in a cache that holds the largest gamma
+        first, unit_ids, unit_lens, shift = chain_prog(gammas[0]), rand_ids, rand_lens, 0
+    jobs = [run_init]
+    if not (plan.on_call and not whole):
+        jobs.append(
+            units.init_job(chain.ENGINE, first, tw.flat, dflat, unit_ids, unit_lens, shift=shift)
+        )
+    if ar is not None:
+        jobs.append(units.init_job(autoregressive.ENGINE, ar, tw.flat, None, rand_ids, rand_lens))
+    loop_s = base.compile_all(jobs, workers=plan.workers, progress=say)[0]
+    run_state = None
+    if not whole:  # the prefill of the alpha run: its segment is lowered on the state
+        run_state = run_init.compiled()[0](*run_init.args)
+    if plan.on_call and not whole:
+        state = chain.ENGINE.shifted(first, run_state[0], shift)
+    else:
+        state = units.initial(
+            chain.ENGINE, first, tw.flat, dflat, unit_ids, unit_lens, shift=shift
+        )  # fmt: skip
+    context = int(np.max(unit_lens)) + shift
+    ar_state = None if ar is None else units.initial(
+        autoregressive.ENGINE, ar, tw.flat, None, rand_ids, rand_lens
+    )  # fmt: skip
+
+    # every unit timed, as (what, unit, program, state, aux); a verify's program is any of the
+    # chain's (it verifies what it is shown), a propose's the chain's at gamma 1
+    timings = {}
+    if ar is not None:
+        timings["T_T"] = (
+            "one target decode step", autoregressive.ENGINE.units(ar)["verify"], ar, ar_state, None
+        )  # fmt: skip
+    one = dataclasses.replace(first, gamma=1)
+    propose = chain.ENGINE.units(one)["draft"]
+    timings["T_D"] = (f"one {type(d).__name__} draft step", propose, one, state, None)
+    for g in timed:
+        prog = first if plan.on_call else chain_prog(g)
         verify = chain.ENGINE.units(prog)["verify"]
-        t_v[g] = units.unit_ms(verify, prog, tw.flat, dflat, state, reps=reps, aux=proposal)
-    if ids is None:
-        ids, lens = rand_ids, rand_lens
-    say(f"measuring alpha: a {alpha_tokens}-token greedy chain run at gamma {alpha_gamma}")
-    run_prog = chain_prog(alpha_gamma, _request(ids.shape[0], ids.shape[1], alpha_tokens))
-    length, slowest = _short_run(chain.ENGINE, run_prog, target, dw, ids, lens)
+        what = f"one target verify of {g + 1} tokens"
+        timings[f"T_V(gamma={g})"] = (what, verify, prog, state, _zeros(batch, g))
+    jobs = [
+        units.unit_job(u, p, tw.flat, None if p is ar else dflat, st, aux, what=name)
+        for name, (_, u, p, st, aux) in timings.items()
+    ]
+    if not whole:
+        jobs.append(base.segment_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0, run_state[0]))
+    seconds = base.compile_all(jobs, workers=plan.workers, progress=say)
+    loop_s += 0.0 if whole else seconds[-1]
+
+    rounds = {name: [] for name in timings}
+    if plan.rounds > 1:
+        say(f"timing {', '.join(timings)} in {plan.rounds} interleaved rounds (batch {batch}, "
+            f"{context} cached tokens)")  # fmt: skip
+    for _ in range(plan.rounds):
+        for name, (what, u, p, st, aux) in timings.items():
+            if plan.rounds == 1:
+                say(f"timing {name}, {what} (batch {batch}, {context} cached tokens)")
+            pflat = None if p is ar else dflat
+            rounds[name].append(
+                units.unit_ms(u, p, tw.flat, pflat, st, reps=plan.reps, steps=plan.steps, aux=aux)
+            )
+    measured = {name: statistics.median(ts) for name, ts in rounds.items()}
+    t_v = {g: measured[f"T_V(gamma={g})"] for g in timed}
+    interpolated = tuple(g for g in gammas if g not in t_v)
+    if interpolated:
+        say(f"T_V(gamma={', '.join(map(str, interpolated))}) read off the line through the "
+            f"timed T_V(gamma={', '.join(map(str, timed))})")  # fmt: skip
+    t_v = interpolate(t_v, gammas)
+
+    what = "the call's own program" if own else "a run of its own"
+    say(f"measuring alpha: up to {alpha_tokens} tokens of a greedy chain run at gamma "
+        f"{alpha_gamma} ({what})")  # fmt: skip
+    if whole:
+        length, slowest = _short_run(chain.ENGINE, run_prog, target, dw, ids, lens)
+    else:
+        length, slowest = _first_tokens(run_prog, target, dw, ids, lens, run_state, alpha_tokens)
     alpha = alpha_from_acceptance_length(length, alpha_gamma)
-    return Measurement(batch, prefix, t_t, t_d, t_v, alpha, alpha_gamma, length, slowest)
+    return Measurement(
+        batch, prefix, measured.get("T_T"), measured["T_D"], t_v, alpha, alpha_gamma, length,
+        slowest, interpolated=interpolated,
+        loop_compile_s=loop_s if own else None,
+    )  # fmt: skip
+
+
+def _zeros(batch: int, g: int):
+    """A greedy verify's proposal of ``g`` tokens (a verify costs the same whatever it is shown)."""
+    return np.zeros((batch, g), np.int32), None
+
+
+def _first_tokens(prog, target, dw, ids, lens, first, tokens: int) -> tuple[float, float]:
+    """``_lengths`` of a streamed run's first ``tokens`` tokens per row (or until every row is
+    done), from ``first`` (its prefill's (state, out)): its segments, compiled."""
+    tw, dflat = target.weights, None if dw is None else dw.flat
+    seg, _ = base.segment_job(chain.ENGINE, prog, tw, dw, ids, lens, 0, first[0]).compiled()
+    s, out = first[0], jax.device_get(first[1])
+    while True:
+        live = ~np.asarray(out.done)
+        if not live.any() or np.asarray(out.count)[live].min() >= tokens:
+            return _lengths(out)
+        need = tokens - int(np.asarray(out.count)[live].min())
+        s, snap = seg(tw.flat, dflat, s, np.int32(-(-need // (prog.gamma + 1))))
+        out = jax.device_get(snap)
 
 
 def measure_tree(
@@ -346,14 +560,15 @@ def measure_tree(
 
 def choose_shape(
     chain_m: Measurement, tree_m: TreeMeasurement | None = None, gammas=None
-) -> tuple[str, int | None, float]:
+) -> tuple[str, int | None, float | None]:
     """("chain", gamma, speedup) or ("tree", None, speedup): the shape the cost model predicts
-    fastest (ties: the chain) and its predicted speedup T_AR / T_SD."""
+    fastest (ties: the chain) and its predicted speedup T_AR / T_SD (None without T_T, which
+    the choice does not need: both shapes' times are relative to it)."""
     gamma, speedup = chain_m.choose(gammas)
     if tree_m is not None:
-        tree_speedup = 1.0 / tree_m.relative_time(chain_m.t_t)
-        if tree_speedup > speedup:
-            return "tree", None, tree_speedup
+        tree_ms = tree_m.relative_time(1.0)  # ms a token, as Measurement.token_ms
+        if tree_ms < chain_m.token_ms(gamma):
+            return "tree", None, None if chain_m.t_t is None else chain_m.t_t / tree_ms
     return "chain", gamma, speedup
 
 
@@ -370,12 +585,15 @@ def middle(gammas) -> int:
 
 
 def tune(
-    target, draft, options: magicdec.Options, ids, lens, kernels, progress=None, profile_dir=None
-):
+    target, draft, options: magicdec.Options, ids, lens, kernels, progress=None, profile_dir=None,
+    req: base.Request | None = None, streamed: bool = False,
+):  # fmt: skip
     """MagicDec's open choices (``gamma="auto"``, ``shape="auto"``) by the cost model, measured
     once per (draft, batch, prefix bucket) and kept with the draft's model, and in
     ``profile_dir`` when given (``measure.profiles``: a later process on this machine reuses
-    it): (options with the chosen shape and gamma, what was chosen and from what)."""
+    it): (options with the chosen shape and gamma, what was chosen and from what). ``req``:
+    the call's request, ``streamed``: whether it is streamed (``measure``'s alpha run is then
+    the call's own program)."""
     shape = options.resolved_shape
     if shape == "auto" and options.shape is None and jax.default_backend() != "gpu":
         # on a CPU a shape left open is a chain: measuring the tree too (its grow and verify
@@ -391,14 +609,20 @@ def tune(
     described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
     m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
     if m is None:
+        how = plan(gammas)
         if progress:
-            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): T_T, T_D, "
-                     f"T_V for gamma {', '.join(map(str, gammas))}, alpha")  # fmt: skip
+            line = "" if how.timed is None else f" (timed at {', '.join(map(str, how.timed))})"
+            t_t = "T_T, " if how.t_t else ""
+            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): {t_t}T_D, "
+                     f"T_V for gamma {', '.join(map(str, gammas))}{line}, alpha")  # fmt: skip
         m = measure(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
-            lens=lens, alpha_gamma=middle(gammas), progress=progress,
+            lens=lens, req=req, streamed=streamed, plan=how, progress=progress,
         )  # fmt: skip
         profiles.keep(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, m)
+    # the measuring call compiled its loop at the alpha gamma, and the persistent compile cache
+    # keeps it for a later process: every call weighs switching away against that compile
+    tokens = None if req is None or m.loop_compile_s is None else req.max_new
     tm = None
     if shape == "auto":
         tkey, tdesc = (*key, "tree", options.tree_shape), {**described, "kind": "magicdec-tree"}
@@ -412,20 +636,50 @@ def tune(
                 ids=ids, lens=lens, progress=progress,
             )  # fmt: skip
             profiles.keep(owner, tkey, profile_dir, tdesc, tm)
-    return _choice(options, m, tm)
+    return _choice(options, m, tm, tokens)
 
 
-def _choice(options: magicdec.Options, m: Measurement, tm: TreeMeasurement | None):
-    """(the options with the shape and gamma the cost model picks, the record of the choice)."""
+def compiled_pays(m: Measurement, best: int, tokens: int) -> bool:
+    """Whether a call of ``tokens`` new tokens at ``best`` would save more time than compiling
+    ``best``'s loop costs (the seconds the loop at ``m.alpha_gamma``, already compiled by the
+    measuring, took), against running at ``m.alpha_gamma``."""
+    saved_s = tokens * (m.token_ms(m.alpha_gamma) - m.token_ms(best)) / 1e3
+    return saved_s > m.loop_compile_s
+
+
+def _choice(
+    options: magicdec.Options, m: Measurement, tm: TreeMeasurement | None, tokens=None
+):  # fmt: skip
+    """(the options with the shape and gamma the cost model picks, the record of the choice).
+    ``tokens``: the call's new tokens, when the measuring compiled the call's loop at
+    ``m.alpha_gamma`` (``measure``'s alpha run; ``m.loop_compile_s``): the call runs at that
+    gamma unless the cost model's best gamma saves more than its compile costs
+    (``compiled_pays``), the measuring call and every later one alike, so a later process of the
+    same shapes finds the measuring call's loop in the persistent compile cache. On 2 loaded
+    cores the self-streaming SmolLM2 draft's gammas 1 and 4 came within timing noise of each
+    other (T_V hardly grows with gamma there and alpha is 1 while the prompt fits the budget:
+    1.997 and 1.994 x T_AR in one run), so the noise picked 1, 2 or 4; a run at a gamma other
+    than the alpha run's compiled its loop again (8-39 s in those runs) to gain nothing
+    measurable, and so did a later process that chose by the kept profile alone (27 s)."""
     chosen_shape, gamma, speedup = choose_shape(m, tm)
+    best = gamma
+    if (
+        chosen_shape == "chain" and tokens and gamma != m.alpha_gamma
+        and m.alpha_gamma in m.t_v and not compiled_pays(m, gamma, tokens)
+    ):  # fmt: skip
+        gamma = m.alpha_gamma
+        speedup = None if m.t_t is None else m.t_t / m.token_ms(gamma)
     cost = dict(
         t_t_ms=m.t_t, t_d_ms=m.t_d, t_v_ms=dict(m.t_v), alpha=m.alpha,
         alpha_slowest_row=m.batch_alpha, prefix_bucket=m.prefix,
+        t_v_interpolated=list(m.interpolated), best_gamma=best,
+        alpha_gamma=m.alpha_gamma, loop_compile_s=m.loop_compile_s,
     )  # fmt: skip
     if tm is not None:
         cost["tree"] = dict(
             t_e_ms=tm.t_e, t_v_ms=tm.t_v, acceptance_length=tm.acceptance_length,
-            predicted_speedup=1.0 / tm.relative_time(m.t_t),
+            token_ms=tm.relative_time(1.0),
+            predicted_speedup=None if m.t_t is None else 1.0 / tm.relative_time(m.t_t),
         )  # fmt: skip
     if chosen_shape == "tree":
         new = dataclasses.replace(options, shape="tree", gamma="auto")
@@ -471,7 +725,7 @@ def table(
                 ids, lens = pad_prompts(prompts(b, p), target.net(kernels).kernels)
             m = measure(
                 target, draft, b, p, gammas, options=options, kernels=kernels, ids=ids,
-                lens=lens, alpha_gamma=middle(gammas),
+                lens=lens,
             )  # fmt: skip
             tm = None
             if tree_shape is not None:

@@ -120,6 +120,8 @@ def _restored(cls, stored: dict):
     """A measurement dataclass from its stored fields."""
     if isinstance(stored.get("t_v"), dict):  # a chain's T_V by gamma: JSON keys are strings
         stored["t_v"] = {int(g): float(t) for g, t in stored["t_v"].items()}
+    if isinstance(stored.get("interpolated"), list):  # a tuple in JSON is a list
+        stored["interpolated"] = tuple(stored["interpolated"])
     return cls(**stored)
 
 

@@ -12,14 +12,19 @@ from __future__ import annotations
 from jaxspec.measure import cost_model, split
 
 
-def tune(engine, target, draft, options, ids, lens, req, kernels, progress=None, profile_dir=None):
+def tune(
+    engine, target, draft, options, ids, lens, req, kernels, progress=None, profile_dir=None,
+    streamed=False,
+):  # fmt: skip
     """(options with the open choices made, what was chosen and from what). ``progress(message)``
     hears of each measurement before it starts; ``profile_dir`` keeps MagicDec's measurements
-    for later processes (``measure.profiles``)."""
+    for later processes (``measure.profiles``); ``streamed``: the call will be streamed (a
+    measurement that runs the call's program runs its streamed programs)."""
     if engine.name == "magicdec":
         return cost_model.tune(
-            target, draft, options, ids, lens, kernels, progress=progress, profile_dir=profile_dir
-        )
+            target, draft, options, ids, lens, kernels, progress=progress, profile_dir=profile_dir,
+            req=req, streamed=streamed,
+        )  # fmt: skip
     if engine.name == "swiftspec":
         return split.tune(target, draft, options, ids, lens, req, kernels, progress=progress)
     raise NotImplementedError(f"{engine.name} leaves {engine.open_choices(options)} open")

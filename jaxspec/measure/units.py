@@ -40,12 +40,21 @@ def _key(*trees) -> tuple:
     )
 
 
+def init_job(
+    engine: base.Engine, prog, tflat, dflat, ids, lens, *, shift: int = 0, seed: int = 0
+) -> base.Job:
+    """``initial``'s program, as ``base.compile_all`` takes it."""
+    args = (tflat, dflat, ids, lens, np.uint32(seed))
+    what = f"the {engine.name} prefill"
+    return base.Job(_init, (engine, prog, shift), args, _key(*args), what=what)
+
+
 def initial(engine: base.Engine, prog, tflat, dflat, ids, lens, *, shift: int = 0, seed: int = 0):
     """The engine's state after its ``init`` (the prefill), its caches ``shift`` tokens further
     on (``Engine.shifted``)."""
-    args = (tflat, dflat, ids, lens, np.uint32(seed))
-    exe, _ = base.compiled(_init, (engine, prog, shift), args, _key(*args))
-    return exe(*args)
+    job = init_job(engine, prog, tflat, dflat, ids, lens, shift=shift, seed=seed)
+    exe, _ = job.compiled()
+    return exe(*job.args)
 
 
 def init_ms(engine: base.Engine, prog, tflat, dflat, ids, lens, *, reps: int = 3) -> float:
@@ -55,23 +64,32 @@ def init_ms(engine: base.Engine, prog, tflat, dflat, ids, lens, *, reps: int = 3
     return median_ms(lambda: exe(*args), reps)
 
 
+def unit_job(unit: base.Unit, prog, tflat, dflat, state, aux=None, what: str = "") -> base.Job:
+    """``unit_ms``'s program (the unit's steps in a loop), as ``base.compile_all`` takes it;
+    ``aux`` as ``unit_ms`` is given it (a unit with a ``prepare`` needs it here)."""
+    if aux is None and unit.prepare is not None:
+        raise ValueError(f"{unit.what}: give the aux its prepare makes, to compile it ahead")
+    args = (state, np.int32(1), tflat, dflat, aux)
+    return base.Job(_looped, (unit, prog), args, _key(*args), donate=(0,), what=what or unit.what)
+
+
 def unit_ms(
-    unit: base.Unit, prog, tflat, dflat, state, *, reps: int = 3, floor_ms=50.0, aux=None
-) -> float:
-    """Milliseconds of one ``unit`` step at ``state``'s context: 8 steps, then as many as
-    ~``floor_ms`` of them take when 8 were quicker (a prompt lookup costs microseconds), so the
-    timed difference stands above the timer's noise. ``aux``: the unit's input when the caller
-    makes it (a proposal of the right shape), else its ``prepare`` makes it."""
+    unit: base.Unit, prog, tflat, dflat, state, *, reps: int = 3, steps: int = 8, floor_ms=50.0,
+    aux=None,
+) -> float:  # fmt: skip
+    """Milliseconds of one ``unit`` step at ``state``'s context: ``steps`` steps (``loop_ms``'s
+    n), then as many as ~``floor_ms`` of them take when those were quicker (a prompt lookup costs
+    microseconds), so the timed difference stands above the timer's noise. ``aux``: the unit's
+    input when the caller makes it (a proposal of the right shape), else its ``prepare`` makes
+    it."""
     if aux is None and unit.prepare is not None:
         args = (tflat, dflat, state)
         exe, _ = base.compiled(_prepare, (unit, prog), args, _key(*args))
         aux = exe(*args)
-    k = np.int32(1)
-    args = (state, k, tflat, dflat, aux)
-    run, _ = base.compiled(_looped, (unit, prog), args, _key(*args), donate=(0,))
-    t = loop_ms(run, state, tflat, dflat, aux, reps=reps)
-    if t * 8 < floor_ms:
-        n = min(4096, max(8, int(floor_ms / max(t, 0.01))))
+    run, _ = unit_job(unit, prog, tflat, dflat, state, aux).compiled()
+    t = loop_ms(run, state, tflat, dflat, aux, n=steps, reps=reps)
+    if t * steps < floor_ms:
+        n = min(4096, max(steps, int(floor_ms / max(t, 0.01))))
         t = loop_ms(run, state, tflat, dflat, aux, n=n, reps=reps)
     return t
 
