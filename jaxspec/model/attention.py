@@ -19,7 +19,7 @@ from pallas_kernels.reference import scatter_rows as write
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)

@@ -36,8 +36,18 @@ def stream_rows(n: int, kernels: KernelConfig) -> int | None:
     return want
 
 
-def init_param(rngs: nnx.Rngs, shape, dtype, scale=0.02):
+def init_param(rngs: nnx.Rngs | None, shape, dtype, scale=0.02):
+    """A random parameter; without ``rngs`` only its shape and dtype (an abstract model)."""
+    if rngs is None:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def filled(shape, dtype, value: float, *, abstract: bool = False):
+    """A parameter holding ``value`` everywhere; with ``abstract`` only its shape and dtype."""
+    if abstract:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return jnp.full(shape, value, dtype)
 
 
 def matmul(x, w, rows: int, out_dtype=None, *, w_out_in: bool = False):
@@ -116,9 +126,9 @@ def embed_rows(table, tokens: Int[Array, "*s"]) -> Float[Array, "*s d"]:
 
 
 class Linear(nnx.Module):
-    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
         self.kernel = nnx.Param(init_param(rngs, (din, dout), dtype))
-        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+        self.bias = nnx.Param(filled((dout,), dtype, 0.0, abstract=rngs is None)) if bias else None
 
     def __call__(self, x, kernels: KernelConfig):
         y = project(x, weight_of(self.kernel), kernels)
@@ -126,8 +136,8 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, dtype, *, abstract: bool = False):
+        self.weight = nnx.Param(filled((dim,), dtype, 1.0, abstract=abstract))
         self.eps = eps
 
     def __call__(self, x, kernels: KernelConfig):
@@ -152,7 +162,7 @@ def mode_of(setting: str) -> str | None:
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
