@@ -60,7 +60,7 @@ from benchmarks.common import (
     unit_ms,
     write,
 )
-from jaxspec.engines import base, magicdec
+from jaxspec.engines import base, magicdec, programs
 from jaxspec.measure import cost_model
 
 
@@ -126,14 +126,14 @@ def decode(call, state, warm: set, *, first: bool = False) -> dict:
     dflat = None if call.draft is None else call.draft.flat
     args = (state, call.target.flat, dflat)
     key = (jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
-    exe, _ = base.compiled(_decode, (call.engine, call.prog, first), args, key, donate=(0,))
+    exe, _ = programs.compiled(_decode, (call.engine, call.prog, first), args, key, donate=(0,))
     if exe not in warm:  # its first run (slower), on a state one token short of the end
         last = state.out.tokens.shape[1] - 1
         out = dataclasses.replace(state.out, count=jnp.full_like(state.out.count, last))
         jax.block_until_ready(exe(fresh(dataclasses.replace(state, out=out)), *args[1:]))
         warm.add(exe)
     s = fresh(state)
-    with base.Timer() as t:
+    with programs.Timer() as t:
         out = jax.device_get(exe(s, *args[1:]).out)
     emitted, live = np.asarray(out.emitted), np.asarray(out.live_steps)
     return {

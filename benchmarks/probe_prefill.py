@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.bench_decode_gpu import SHAPES
 from benchmarks.common import default_dtype, ints, metadata, random_target
-from jaxspec.engines import base
+from jaxspec.engines import programs
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import init_cache
 from jaxspec.model.prefill import prefill
@@ -41,11 +41,11 @@ def time_prefill(model, kernels: KernelConfig, context: int, batch: int, reps: i
     lens = np.full((batch,), context, np.int32)
     cache = init_cache(cfg, batch, context + 144, model.dtype)
     args = (model.flat, cache, ids, lens)
-    key = (model.layout, base.shapes_key(*jax.tree.leaves(cache), ids, lens))
-    exe, compile_s = base.compiled(prefill, net, args, key, donate=(1,))
+    key = (model.layout, programs.shapes_key(*jax.tree.leaves(cache), ids, lens))
+    exe, compile_s = programs.compiled(prefill, net, args, key, donate=(1,))
     times, logits = [], None
     for i in range(reps + 2):
-        with base.Timer() as t:
+        with programs.Timer() as t:
             last, cache = exe(model.flat, cache, ids, lens)
             last.block_until_ready()
         if i >= 2:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.engines import base
+from jaxspec.engines import programs
 from tests import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -225,9 +225,9 @@ def test_two_kernel_configs_are_two_programs_in_one_process():
     assert a.call.prog != b.call.prog
     assert a.call.prog.net.kernels.attention == "reference"
     assert b.call.prog.net.kernels.attention == "interpret"
-    progs = {key[1] for key in base._COMPILED if key[1] in (a.call.prog, b.call.prog)}
+    progs = {key[1] for key in programs._COMPILED if key[1] in (a.call.prog, b.call.prog)}
     assert progs == {a.call.prog, b.call.prog}
-    hlo = [base._COMPILED[k].as_text() for k in base._COMPILED if k[1] in progs]
+    hlo = [programs._COMPILED[k].as_text() for k in programs._COMPILED if k[1] in progs]
     assert len(set(hlo)) == 2  # two different compiled programs
     # a second call with the same config finds its program: nothing compiles
     again = jaxspec.generate(

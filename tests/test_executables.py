@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.engines import ENGINES, base, executables
+from jaxspec.engines import ENGINES, executables, programs
 
 LOADS = []
 
@@ -53,10 +53,10 @@ def _store(folder):
 
 
 def _compile(static, x):
-    """``base.compiled`` as if this process had never compiled ``static`` (not in memory)."""
-    for full in [k for k in base._COMPILED if k[0] is _scaled]:
-        del base._COMPILED[full]
-    return base.compiled(_scaled, static, (x,), base.shapes_key(x))[0]
+    """``programs.compiled`` as if this process had never compiled ``static`` (not in memory)."""
+    for full in [k for k in programs._COMPILED if k[0] is _scaled]:
+        del programs._COMPILED[full]
+    return programs.compiled(_scaled, static, (x,), programs.shapes_key(x))[0]
 
 
 def test_a_kept_program_is_read_back_by_a_later_compile(tmp_path):

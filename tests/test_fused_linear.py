@@ -192,9 +192,9 @@ def test_dispatch():
 
 def _clear():
     """Forget compiled programs, so the spies below see the next run's traces."""
-    from jaxspec.engines import base
+    from jaxspec.engines import programs
 
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
 
 

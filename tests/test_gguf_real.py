@@ -117,7 +117,7 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
     import jax
 
     import jaxspec
-    from jaxspec.engines import base
+    from jaxspec.engines import programs
     from jaxspec.kernels import KernelConfig
     from pallas_kernels import decode_attention as D
     from pallas_kernels import fused_linear
@@ -131,7 +131,7 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
         )
 
     def decode(attention, fused):
-        base._COMPILED.clear()  # so the spies see this run's traces
+        programs._COMPILED.clear()  # so the spies see this run's traces
         jax.clear_caches()
         kernels = KernelConfig(attention=attention, fused_linear=fused)
         return jaxspec.generate(model, [prompt], max_new_tokens=8, kernels=kernels).tokens[0]
@@ -140,5 +140,5 @@ def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch)
     assert not traced
     assert decode("interpret", "interpret") == plain
     assert {"decode_attention", "silu_project"} <= set(traced), "a fast path was not traced"
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()

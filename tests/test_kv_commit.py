@@ -111,7 +111,7 @@ def test_dispatch(monkeypatch):
 def test_tree_decoding_commits_through_the_kernel(monkeypatch):
     """Greedy tokens (float32) of the tree engine with a model draft (the target's and the
     draft's caches both commit) equal the plain commit's, and the autoregressive tokens."""
-    from jaxspec.engines import base
+    from jaxspec.engines import programs
 
     target = tiny.model(4)
     draft = tiny.perturbed(target, 0.3, 4)
@@ -122,14 +122,14 @@ def test_tree_decoding_commits_through_the_kernel(monkeypatch):
     monkeypatch.setattr(K, "move_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     runs = {}
     for mode in ("off", "interpret"):
-        base._COMPILED.clear()  # so the spy sees this run's traces
+        programs._COMPILED.clear()  # so the spy sees this run's traces
         jax.clear_caches()
         runs[mode] = jaxspec.generate(
             target, prompts, max_new_tokens=10, method="tree", draft=draft,
             depth=3, width=3, branch=2, bs=6, kernels=KernelConfig(fused_commit=mode),
         )  # fmt: skip
         assert bool(calls) == (mode == "interpret")
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
     assert runs["interpret"].tokens == runs["off"].tokens == ar
     assert runs["interpret"].stats["acceptance_length"] == runs["off"].stats["acceptance_length"]

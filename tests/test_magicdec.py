@@ -13,7 +13,7 @@ import pytest
 from jaxspec import api
 from jaxspec.api import generate
 from jaxspec.config import ModelConfig
-from jaxspec.engines import base, chain, magicdec
+from jaxspec.engines import base, chain, magicdec, programs
 from jaxspec.errors import DraftError, OptionError
 from jaxspec.measure import cost_model, units
 from jaxspec.model.kv_cache import KVCache, init_cache
@@ -348,14 +348,14 @@ def test_cost_model_plans_and_the_line_of_t_v():
 def _compiles(monkeypatch) -> list[str]:
     """The names of the programs compiled from now on (into an emptied compile cache)."""
     names: list[str] = []
-    keep = base._keep
+    keep = programs._keep
 
     def counted(full, exe):
         names.append(full[0].__name__)
         keep(full, exe)
 
-    monkeypatch.setattr(base, "_COMPILED", type(base._COMPILED)())
-    monkeypatch.setattr(base, "_keep", counted)
+    monkeypatch.setattr(programs, "_COMPILED", type(programs._COMPILED)())
+    monkeypatch.setattr(programs, "_keep", counted)
     return names
 
 

@@ -159,7 +159,7 @@ def test_model_prefill_through_the_kernel(monkeypatch):
     logits after each prompt match the reference path's, and generate's greedy tokens are the
     same."""
     import jaxspec
-    from jaxspec.engines import base
+    from jaxspec.engines import programs
 
     changes = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, vocab_size=64)
     target = tiny.model(2, **changes)
@@ -172,7 +172,7 @@ def test_model_prefill_through_the_kernel(monkeypatch):
 
     def run(impl):
         kernels = KernelConfig(prefill_chunk=80, attention=impl)
-        base._COMPILED.clear()  # so the spy sees this run's traces
+        programs._COMPILED.clear()  # so the spy sees this run's traces
         jax.clear_caches()
         cache = init_cache(target.config, 3, 176)
         net = target.net(kernels)
@@ -186,7 +186,7 @@ def test_model_prefill_through_the_kernel(monkeypatch):
     assert calls, "the flash kernel was not traced"
     np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-5)
     assert tokens == ref_tokens
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
 
 

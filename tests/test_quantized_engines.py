@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.engines import base
 from jaxspec.engines import chain as chain_engine
+from jaxspec.engines import programs
 from jaxspec.model import quantized as Q
 from jaxspec.model import sharding
 from jaxspec.model.feature_head import random_head
@@ -62,7 +62,7 @@ def pair(seed: int, target_fmt: str | None, draft_fmt: str | None, **changes):
 @pytest.fixture(autouse=True)
 def fresh_compiles():
     yield
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
 
 
@@ -200,7 +200,7 @@ def test_sampling_follows_the_quantized_targets_distribution(monkeypatch):
     rejects, stat, crit = sampling.chi_square_rejects(got, want)
     assert not rejects, (stat, crit)
     monkeypatch.setattr(chain_engine, "accept_chain", sampling.accept_everything_chain)
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     rejects, stat, crit = sampling.chi_square_rejects(
         sampling.sampled_joint(target, draft, "chain", gamma=2), want
     )

@@ -138,9 +138,9 @@ SHAPE = dict(num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96, vocab_siz
 
 def retrace():
     """Forget compiled programs, so a spy on the kernel sees the next run's trace."""
-    from jaxspec.engines import base
+    from jaxspec.engines import programs
 
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxspec.api import generate
-from jaxspec.engines import base
 from jaxspec.engines import chain as chain_engine
+from jaxspec.engines import programs
 from jaxspec.engines import tree as tree_engine
 from jaxspec.model.feature_head import random_head
 from jaxspec.spec.sampling import Sampling, draw, probs
@@ -89,10 +89,10 @@ def accept_everything_chain(key, x, q, p):
 
 @pytest.fixture(autouse=True)
 def fresh_compiles():
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
     yield
-    base._COMPILED.clear()
+    programs._COMPILED.clear()
     jax.clear_caches()
 
 

@@ -138,11 +138,11 @@ def test_a_piece_never_waits_for_the_next_segments_launch(models, monkeypatch):
     (the launch times out and the stream raises); the worker-thread launches let it finish."""
     import threading
 
-    from jaxspec.engines import base
+    from jaxspec.engines import base, programs
 
     target = models[0]
     received, launches = threading.Semaphore(0), []
-    real = base.compiled
+    real = programs.compiled
 
     def compiled(fn, *a, **kw):
         exe, seconds = real(fn, *a, **kw)
@@ -157,7 +157,7 @@ def test_a_piece_never_waits_for_the_next_segments_launch(models, monkeypatch):
 
         return launch, seconds
 
-    monkeypatch.setattr(base, "compiled", compiled)
+    monkeypatch.setattr(programs, "compiled", compiled)
     prompts = tiny.prompts(1, lengths=(9,))  # one row: a piece per segment
     ref = jaxspec.generate(target, prompts, max_new_tokens=6)
     s = jaxspec.stream(target, prompts, max_new_tokens=6, segment_steps=1)

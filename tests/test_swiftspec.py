@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec import KernelConfig
 from jaxspec.api import generate
-from jaxspec.engines import base
+from jaxspec.engines import programs
 from jaxspec.engines.swiftspec import engine as swiftspec
 from jaxspec.engines.swiftspec import workers
 from jaxspec.errors import DeviceError, OptionError, WorkerError
@@ -328,7 +328,7 @@ def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
         runs.append(generate(target, ps, draft_devices=1, loop="device", **kw, **SHAPE).tokens)
         (copy,) = replicated_copies(target)
         kept.append(copy)
-        loops.append({k for k in base._COMPILED if k[0] is swiftspec_device.device_loop})
+        loops.append({k for k in programs._COMPILED if k[0] is swiftspec_device.device_loop})
     assert runs[0] == runs[1] == ref
     assert kept[0] is kept[1]  # the second call copied no weights
     assert loops[1] == loops[0] and loops[0]  # and compiled nothing
@@ -399,7 +399,7 @@ def test_device_loop_stops_when_a_verdict_never_says_done(monkeypatch):
         return s, v, workers.pack(v)
 
     def forget():  # programs compiled with the real verify (or, after, with the stuck one)
-        base._COMPILED.clear()
+        programs._COMPILED.clear()
         jax.clear_caches()
 
     monkeypatch.setattr(workers, "target_verify", stuck)

@@ -13,18 +13,17 @@ An engine (``ENGINES[method]``, filled in ``jaxspec.engines``) has:
 - ``run(prog, target, draft_weights, ids, lens, seed) -> Run``: tokens, counts and ``Stats``.
 
 Shared here: the output bookkeeping (``Out``, ``first``, ``emit``), the loop (``until_done``),
-the stats types, and the one compile cache (``compiled``), keyed by the program, the weights'
-layout and the argument shapes, so a warm call costs a dict lookup and a dispatch.
+its streamed segments (``segments``) and the stats types. Programs come from the one compile
+cache (``programs.compiled``), keyed by the program, the weights' layout and the argument
+shapes, so a warm call costs a dict lookup and a dispatch.
 
-long: the interface, the options' parsing, the loop and its streamed segments, the stats and the
-compile cache are the one contract every engine and measurement shares; cut apart, each piece
-would import the others.
+long: the interface, the options' parsing, the loop and its streamed segments and the stats are
+the one contract every engine and measurement shares; cut apart, each piece would import the
+others (a move of the segments out of this file made a cycle through ``Engine.stream``).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import functools
 import queue
@@ -41,7 +40,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from jaxspec import distributed
-from jaxspec.engines import executables
+from jaxspec.engines.programs import Job, Timer, shapes_key
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.kv_cache import init_cache
@@ -413,206 +412,6 @@ ENGINES: dict[str, Engine] = {}
 def register(engine: Engine) -> Engine:
     ENGINES[engine.name] = engine
     return engine
-
-
-# ---------------------------------------------------------------- the compile cache
-
-
-class Timer:
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.s = time.perf_counter() - self.t0
-
-
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-_COMPILE_LOCK = threading.Lock()
-MAX_PROGRAMS = 64
-
-
-def compiled(
-    fn, static, args, key, *, donate: tuple[int, ...] = (), progress=None, what: str = "",
-    options: Mapping[str, Any] | None = None,
-) -> tuple[Any, float]:  # fmt: skip
-    """``fn(static, *args)`` compiled ahead of time, once per ``(fn, static, key)``, where
-    ``key`` stands for the arguments' shapes, dtypes and layouts (the weights' part precomputed:
-    ``Model.layout``); returns (executable, compile seconds: 0 when found). ``static`` is the
-    hashable program (a jit static argument). Least recently used programs beyond
-    ``MAX_PROGRAMS`` are dropped. ``donate``: positions in ``args`` whose buffers the program
-    may reuse (a state handed on). ``progress(message)``, when given, hears "compiling
-    ``what``" before a compile starts (seconds on a CPU; found programs say nothing).
-    ``options``: XLA options of this program besides its kernels' (``compiler_options``)."""
-    extra = tuple(sorted((options or {}).items()))
-    full = (fn, static, key, donate, extra)
-    # one compile at a time: SwiftSpec's two worker threads compile concurrently otherwise, and
-    # the engines subtract the summed compile seconds from their wall time
-    with _COMPILE_LOCK:
-        exe = _COMPILED.get(full)
-        if exe is not None:
-            _COMPILED.move_to_end(full)
-            return exe, 0.0
-        with Timer() as t:
-            options = _options(static, extra)
-            where, name, exe = _stored(full, options)
-            if exe is None:
-                if progress is not None:
-                    progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
-                exe = _finish(_lower(full, args), options, where, name)
-        _keep(full, exe)
-    return exe, t.s
-
-
-def _keep(full, exe) -> None:
-    """Put a program in the cache (the lock held), dropping the least recently used."""
-    _COMPILED[full] = exe
-    while len(_COMPILED) > MAX_PROGRAMS:
-        _COMPILED.popitem(last=False)
-
-
-def _options(static, extra: tuple) -> dict:
-    """A program's XLA options: its kernels' (``compiler_options``), then its own."""
-    return {**compiler_options(static), **dict(extra)}
-
-
-def _stored(full: tuple, options: dict):
-    """(folder, name, program) of ``full`` in the disk store (``executables``, when JAX's
-    persistent cache is on): the program is None when not kept, the name too when the store is
-    off or the program cannot be kept."""
-    fn, static, key, donate, _ = full
-    where = executables.folder()
-    if where is None:
-        return None, None, None
-    name = executables.digest(fn, static, key, donate, options)
-    return where, name, None if name is None else executables.load(where, name)
-
-
-def _lower(full: tuple, args):
-    fn, static, _, donate, _ = full
-    donated = tuple(i + 1 for i in donate)
-    return jax.jit(fn, static_argnums=0, donate_argnums=donated).lower(static, *args)
-
-
-def _finish(lowered, options: dict, where, name):
-    """Compile a lowered program, keeping it in the disk store when it has a ``name`` there."""
-    if name is None:
-        return lowered.compile(compiler_options=options)
-    with executables.fresh():
-        exe = lowered.compile(compiler_options=options)
-    executables.keep(where, name, exe)
-    return exe
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One program as ``compiled`` takes it, for compiling several at once (``compile_all``);
-    ``what`` names it in progress messages, ``options`` are ``compiled``'s as sorted items."""
-
-    fn: Callable
-    static: Any
-    args: tuple
-    key: Any
-    donate: tuple[int, ...] = ()
-    what: str = ""
-    options: tuple = ()
-
-    @property
-    def full(self) -> tuple:
-        """Its key in the compile cache."""
-        return (self.fn, self.static, self.key, self.donate, self.options)
-
-    def compiled(self, progress=None) -> tuple[Any, float]:
-        """``compiled(...)`` of this job: (executable, compile seconds)."""
-        return compiled(
-            self.fn, self.static, self.args, self.key, donate=self.donate, progress=progress,
-            what=self.what, options=dict(self.options),
-        )  # fmt: skip
-
-
-def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
-    """Compile the ``jobs`` not yet in the cache, ``workers`` at once: each is read from the disk
-    store or lowered here, one after another (tracing holds Python's lock), and compiled on a
-    pool of ``workers`` threads (XLA releases the lock while it compiles, so the next one traces
-    meanwhile, even with one worker). ``progress(message)`` hears of them first. Returns each
-    job's seconds (loading, or lowering and compiling; 0 for one found in memory).
-
-    On a CPU XLA compiles one program on one core: two SmolLM2 verify programs took 9.8 s one
-    after the other and 5.9 s on two threads of two cores (``measure.cost_model.plan``)."""
-    jobs = list(jobs)
-    seconds = [0.0] * len(jobs)
-    todo, seen = [], set()
-    for i, j in enumerate(jobs):
-        if j.full in seen or j.full in _COMPILED:
-            continue
-        seen.add(j.full)
-        todo.append((i, j))
-    if not todo:
-        return seconds
-    if progress is not None:
-        names = [j.what or getattr(j.fn, "__name__", "a program") for _, j in todo]
-        where = f" on {workers} threads" if workers > 1 else ""
-        many = f"{len(todo)} programs{where}: " if len(todo) > 1 else ""
-        progress(f"compiling {many}{'; '.join(names)}")
-
-    def timed(lowered, options, where, name):
-        with Timer() as t:
-            exe = _finish(lowered, options, where, name)
-        return exe, t.s
-
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), "jaxspec-compile")
-    try:
-        pending = []
-        for i, j in todo:
-            with Timer() as t:
-                options = _options(j.static, j.options)
-                where, name, exe = _stored(j.full, options)
-                if exe is None:
-                    lowered = _lower(j.full, j.args)
-            seconds[i] = t.s
-            if exe is not None:
-                with _COMPILE_LOCK:
-                    _keep(j.full, exe)
-                continue
-            pending.append((i, j.full, pool.submit(timed, lowered, options, where, name)))
-        for i, full, future in pending:
-            exe, s = future.result()
-            seconds[i] += s
-            with _COMPILE_LOCK:
-                _keep(full, exe)
-    except BaseException:  # a Ctrl-C waits for the compiles under way only, not the queued
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
-    return seconds
-
-
-def compiler_options(static) -> dict:
-    """The XLA options of a program: those of the kernels of every model it runs (``Net``s found
-    in the static program, its draft's included); a program with invariant numerics for any."""
-    out: dict = {}
-    seen = set()
-
-    def walk(x):
-        if id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, Net):
-            out.update(x.kernels.compiler_options())
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                walk(getattr(x, f.name))
-        elif isinstance(x, tuple | list):
-            for y in x:
-                walk(y)
-
-    walk(static)
-    return out
-
-
-def shapes_key(*arrays) -> tuple:
-    """The (shape, dtype) of small per-call arguments, for ``compiled``'s key."""
-    return tuple((np.shape(a), np.result_type(a).name) for a in arrays)
 
 
 def on_device(

@@ -2,7 +2,7 @@
 
 JAX's persistent compilation cache (on in the CLI) skips XLA's compile but not JAX's trace and
 lowering, which it needs to compute its own key: in a warm ``jaxspec generate`` of the default
-model on the 2-core CPU they were 3.1 of the 4.0 s spent in ``base.compiled`` (cProfile of one
+model on the 2-core CPU they were 3.1 of the 4.0 s spent in ``programs.compiled`` (cProfile of one
 run, benchmarks/notes/warm_start_cpu.md). Here a program is found by a digest of everything that
 decides what it computes, without tracing it:
 

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.engines import autoregressive, base, chain, magicdec, tree
+from jaxspec.engines import autoregressive, base, chain, magicdec, programs, tree
 from jaxspec.engines.magicdec import alpha_from_acceptance_length, omega
 from jaxspec.measure import profiles, units
 from jaxspec.model.prefill import pad_prompts
@@ -258,7 +258,7 @@ class Plan:
     ``units.unit_ms``'s; ``rounds``: each unit timed that many times, the units taking turns,
     and the median kept (a burst of load then slows every unit alike, not one).
     ``alpha_gamma``: the gamma of the alpha run (None: ``middle``). ``workers``: programs
-    compiled at once (``base.compile_all``). ``on_call``: the units timed on the call's own
+    compiled at once (``programs.compile_all``). ``on_call``: the units timed on the call's own
     prefill (the alpha run's, its caches moved on towards ``prefix`` as far as they hold the
     largest verify) instead of on random prompts of ``prefix`` tokens: one prefill program
     fewer."""
@@ -362,7 +362,7 @@ def measure(
     streamed loop's programs when ``streamed`` (those ``jaxspec.stream`` and the CLI run), else
     the whole loop when the call is no longer than ``alpha_tokens``. A run at the gamma the cost
     model then chooses finds its programs compiled. Every program is compiled before any timing
-    (``base.compile_all``, ``plan.workers`` at once), so no compile runs beside a timing."""
+    (``programs.compile_all``, ``plan.workers`` at once), so no compile runs beside a timing."""
     plan = plan or Plan()
     options = options or magicdec.Options(gamma=max(gammas))
     say = progress or _quiet
@@ -412,7 +412,7 @@ def measure(
         )
     if ar is not None:
         jobs.append(units.init_job(autoregressive.ENGINE, ar, tw.flat, None, rand_ids, rand_lens))
-    loop_s = base.compile_all(jobs, workers=plan.workers, progress=say)[0]
+    loop_s = programs.compile_all(jobs, workers=plan.workers, progress=say)[0]
     run_state = None
     if not whole:  # the prefill of the alpha run: its segment is lowered on the state
         run_state = run_init.compiled()[0](*run_init.args)
@@ -448,7 +448,7 @@ def measure(
     ]
     if not whole:
         jobs.append(base.segment_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0, run_state[0]))
-    seconds = base.compile_all(jobs, workers=plan.workers, progress=say)
+    seconds = programs.compile_all(jobs, workers=plan.workers, progress=say)
     loop_s += 0.0 if whole else seconds[-1]
 
     rounds = {name: [] for name in timings}

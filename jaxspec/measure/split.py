@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxspec.engines import base
+from jaxspec.engines import base, programs
 from jaxspec.engines.swiftspec import engine as sw
 from jaxspec.engines.swiftspec import workers as W
 from jaxspec.model import sharding
@@ -48,7 +48,7 @@ class Profile:
 
 
 def _exe(fn, static, *args):
-    exe, _ = base.compiled(fn, static, args, _key(args))
+    exe, _ = programs.compiled(fn, static, args, _key(args))
     return exe
 
 

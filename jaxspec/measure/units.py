@@ -4,7 +4,7 @@ Every measurement of the library goes through here: MagicDec's cost model, the t
 benchmark, SwiftSpec's profile. A unit's steps run back to back in one on-device loop with the
 state donated (``timing.repeat``, ``timing.loop_ms``: 1 and n + 1 steps, the difference over n,
 so what one host call costs besides the device work cancels out, and the compile happens in the
-untimed warm-up). Programs are compiled through the engines' one cache (``base.compiled``).
+untimed warm-up). Programs are compiled through the engines' one cache (``programs.compiled``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxspec.engines import base
+from jaxspec.engines import base, programs
 from jaxspec.timing import loop_ms, median_ms
 
 
@@ -42,11 +42,11 @@ def _key(*trees) -> tuple:
 
 def init_job(
     engine: base.Engine, prog, tflat, dflat, ids, lens, *, shift: int = 0, seed: int = 0
-) -> base.Job:
-    """``initial``'s program, as ``base.compile_all`` takes it."""
+) -> programs.Job:
+    """``initial``'s program, as ``programs.compile_all`` takes it."""
     args = (tflat, dflat, ids, lens, np.uint32(seed))
     what = f"the {engine.name} prefill"
-    return base.Job(_init, (engine, prog, shift), args, _key(*args), what=what)
+    return programs.Job(_init, (engine, prog, shift), args, _key(*args), what=what)
 
 
 def initial(engine: base.Engine, prog, tflat, dflat, ids, lens, *, shift: int = 0, seed: int = 0):
@@ -60,17 +60,19 @@ def initial(engine: base.Engine, prog, tflat, dflat, ids, lens, *, shift: int = 
 def init_ms(engine: base.Engine, prog, tflat, dflat, ids, lens, *, reps: int = 3) -> float:
     """Milliseconds of the engine's ``init``: cache allocation, the prefill, the draft's init."""
     args = (tflat, dflat, ids, lens, np.uint32(0))
-    exe, _ = base.compiled(_init, (engine, prog, 0), args, _key(*args))
+    exe, _ = programs.compiled(_init, (engine, prog, 0), args, _key(*args))
     return median_ms(lambda: exe(*args), reps)
 
 
-def unit_job(unit: base.Unit, prog, tflat, dflat, state, aux=None, what: str = "") -> base.Job:
-    """``unit_ms``'s program (the unit's steps in a loop), as ``base.compile_all`` takes it;
+def unit_job(unit: base.Unit, prog, tflat, dflat, state, aux=None, what: str = "") -> programs.Job:
+    """``unit_ms``'s program (the unit's steps in a loop), as ``programs.compile_all`` takes it;
     ``aux`` as ``unit_ms`` is given it (a unit with a ``prepare`` needs it here)."""
     if aux is None and unit.prepare is not None:
         raise ValueError(f"{unit.what}: give the aux its prepare makes, to compile it ahead")
     args = (state, np.int32(1), tflat, dflat, aux)
-    return base.Job(_looped, (unit, prog), args, _key(*args), donate=(0,), what=what or unit.what)
+    return programs.Job(
+        _looped, (unit, prog), args, _key(*args), donate=(0,), what=what or unit.what
+    )
 
 
 def unit_ms(
@@ -84,7 +86,7 @@ def unit_ms(
     it."""
     if aux is None and unit.prepare is not None:
         args = (tflat, dflat, state)
-        exe, _ = base.compiled(_prepare, (unit, prog), args, _key(*args))
+        exe, _ = programs.compiled(_prepare, (unit, prog), args, _key(*args))
         aux = exe(*args)
     run, _ = unit_job(unit, prog, tflat, dflat, state, aux).compiled()
     t = loop_ms(run, state, tflat, dflat, aux, n=steps, reps=reps)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.engines import base
+from jaxspec.engines import programs
 from jaxspec.engines.swiftspec import workers as W
 from jaxspec.errors import WorkerError
 
@@ -183,8 +183,8 @@ def run(prog: W.Program, setup, ids, lens, seed, stats, progress=None) -> dict:
         draft=dataclasses.replace(prog.draft, net=_unfused(prog.draft.net)),
     )
     static = Loop(unfused, mesh)
-    key = (setup.target.layout, setup.draft.layout, base.shapes_key(ids, lens))
-    exe, _ = base.compiled(
+    key = (setup.target.layout, setup.draft.layout, programs.shapes_key(ids, lens))
+    exe, _ = programs.compiled(
         device_loop, static, (tflat, dflat, *args), key, progress=progress,
         what="swiftspec's two-device loop",
     )  # fmt: skip

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import distributed
-from jaxspec.engines import base
+from jaxspec.engines import programs
 from jaxspec.engines.swiftspec import workers as W
 from jaxspec.errors import WorkerError
 
 
 class Calls:
-    """The workers' executables for one run: each compiled once (``base.compiled``, keyed by
+    """The workers' executables for one run: each compiled once (``programs.compiled``, keyed by
     the program and its arguments' shapes; the compile seconds go to ``stats.compile_s``, out
     of ``wall_s``), then found by function and static program: an identity-cheap lookup, since
     the program's hash is computed once."""
@@ -35,7 +35,7 @@ class Calls:
             exe = self.exes.get((fn, static))
             if exe is None:
                 with self.lock:
-                    exe, compile_s = base.compiled(
+                    exe, compile_s = programs.compiled(
                         fn, static, args, _shapes(args), progress=self.progress,
                         what=f"swiftspec's {name} worker ({getattr(fn, '__name__', fn)})",
                     )  # fmt: skip
@@ -155,7 +155,7 @@ class ThreadLoop:
         self.laps = {"target": Laps(), "draft": Laps()}
         self.refills: list = []
         self.spans = distributed.spans(self.setup.on_t, self.setup.on_d)
-        with base.Timer() as h:
+        with programs.Timer() as h:
             self.to_target.put((distributed.transfer(flat, self.setup.on_t), None))
         self.stats.handoff_s += h.s
         box = {"ts": ts, "ds": ds}
@@ -243,14 +243,14 @@ class ThreadLoop:
             # d expansions dispatched before were made while the verify was in flight
             stats.expansions_in_flight += d * (not verdict.n.is_ready())
             clock.lap("wait_verdict")
-            with base.Timer() as h:
+            with programs.Timer() as h:
                 v = distributed.transfer(vflat, self.setup.on_d)
             ds, snap, flat, grown = self.calls("draft", W.draft_next, prog, dflat, ds, snap, v)
             box["ds"] = ds
             clock.lap("next")
             if self.setup.observe is not None:  # before the target may donate ts
                 self.setup.observe(ts, ds)
-            with base.Timer() as h2:
+            with programs.Timer() as h2:
                 self.to_target.put((distributed.transfer(flat, self.setup.on_t), v))
             stats.handoff_s += h.s + h2.s
             clock.lap("put_snapshot")
