@@ -49,13 +49,23 @@ def test_chain_greedy_equals_autoregressive_builtin_drafts(kind):
         assert r.tokens == reference(target, ps), seed
 
 
+# One EOS id for every seed: the EOS targets then differ only in their weights, so their programs
+# compile once (an EOS id of its own per seed compiled two programs a seed). 15 comes first at
+# token 5 of seed 0's greedy tokens and at token 6 of seed 2's; seeds 1, 3, 4 never emit it.
+EOS = 15
+
+
 def test_chain_stops_at_eos_inside_a_speculated_block():
+    places = set()
     for seed in range(5):
         base, ps = tiny.model(seed), tiny.prompts(seed, lengths=(9,))
         ref = reference(base, ps)[0]
-        eos = ref[6]
-        target = tiny.with_eos(base, eos)
-        expected = ref[: ref.index(eos) + 1]
+        target = tiny.with_eos(base, EOS)
+        expected = ref[: ref.index(EOS) + 1] if EOS in ref else ref
         r = generate(target, ps, draft=target, method="chain", gamma=5, max_new_tokens=NEW)
-        assert r.tokens[0] == expected
-        assert reference(target, ps)[0] == expected
+        assert r.tokens[0] == expected, seed
+        assert reference(target, ps)[0] == expected, seed
+        if EOS in ref:  # token 0 is the prefill's, then blocks of 6 (5 drafts + the bonus)
+            places.add("end" if ref.index(EOS) % 6 == 0 else "inside")
+    # the EOS fell inside a block (drafts after it dropped) and at its end (the bonus token)
+    assert places == {"inside", "end"}, "the models changed: pick another EOS"

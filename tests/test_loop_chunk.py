@@ -26,7 +26,12 @@ def _eos_target(seed):
     return base, tiny.with_eos(base, ref[4]), prompts, ref  # row 0 stops at its first ref[4]
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "seed",
+    # seeds 1 and 2 are the same runs at other weights and another EOS id (each its own
+    # compiles): seed 0 checks the property on the same shapes and chunks; slow
+    [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
+)
 def test_chunked_autoregressive_loop_equals_one_step_loop(seed):
     _, target, prompts, ref = _eos_target(seed)
     for kw in (dict(max_new_tokens=13), dict(max_new_tokens=13, temperature=0.9, seed=seed)):

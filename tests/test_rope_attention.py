@@ -163,7 +163,9 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
         dict(method="magicdec", draft="self-streaming", gamma=2, budget=18, sinks=2),
         dict(method="magicdec", draft="self-snapkv", gamma=2, budget=24),
     ]
-    plain = [generate(target, ps, max_new_tokens=12, **kw).tokens for kw in runs]
+    # every method's greedy tokens are the plain autoregressive ones (lossless; their own tests
+    # check each method on the plain path), so one plain run is the reference for all
+    plain = generate(target, ps, max_new_tokens=12).tokens
 
     calls = []
     real = R.rope_attention
@@ -176,7 +178,7 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
     retrace()
     kernels = KernelConfig(**FUSED)
     fused = [generate(target, ps, max_new_tokens=12, kernels=kernels, **kw).tokens for kw in runs]
-    assert fused == plain
+    assert fused == [plain] * len(runs)
     assert 1 in calls and max(calls) > 1  # decode steps and verifies took it
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxspec import KernelConfig
-from jaxspec.api import generate
+from jaxspec.api import generate, prepare
 from jaxspec.engines import programs
 from jaxspec.engines.swiftspec import engine as swiftspec
 from jaxspec.engines.swiftspec import workers
@@ -356,16 +356,17 @@ def test_device_loop_with_the_pallas_attention_kernel():
 def test_auto_loop_runs_on_the_device_for_a_large_target_only(monkeypatch):
     """loop="auto" (the default): the device loop for a 1 + 1 layout whose target weighs at
     least AUTO_DEVICE_BYTES, unless an option only the threaded loop takes is given; the
-    threaded loop otherwise (tiny models here: the threshold is moved to test both sides)."""
+    threaded loop otherwise (tiny models here: the threshold is moved to test both sides). The
+    choice is the program's (``prepare`` builds it, compiling nothing; a run runs its loop and
+    reports it); the device loop it chose runs once, at the shapes of the device loop's test
+    above (its programs are found when that test ran first). The threaded loops' tokens are
+    the layout and refill tests'."""
     target, ps = target_and_prompts(8)
     draft = tiny.model(708, **CHANGES)
-    kw = dict(draft=draft, method="swiftspec", max_new_tokens=6, **SHAPE)
-    ref = generate(target, ps, max_new_tokens=6).tokens
+    kw = dict(draft=draft, method="swiftspec", max_new_tokens=NEW, **SHAPE)
 
     def loop_of(**more):
-        r = generate(target, ps, **kw, **more)
-        assert r.tokens == ref
-        return r.stats["loop"]
+        return prepare(target, ps, **kw, **more).prog.loop
 
     assert loop_of(target_devices=1, draft_devices=1) == "threads"  # a tiny target
     monkeypatch.setattr(swiftspec, "AUTO_DEVICE_BYTES", 0)
@@ -373,6 +374,9 @@ def test_auto_loop_runs_on_the_device_for_a_large_target_only(monkeypatch):
     assert loop_of(target_devices=1, draft_devices=1, refill=1) == "threads"
     assert loop_of(target_devices=2, draft_devices=1) == "threads"
     assert loop_of(target_devices=1, draft_devices=1, loop="threads") == "threads"
+    r = generate(target, ps, target_devices=1, draft_devices=1, **kw)
+    assert r.stats["loop"] == "device"
+    assert r.tokens == generate(target, ps, max_new_tokens=NEW).tokens
 
 
 def test_device_loop_says_what_it_does_not_take():

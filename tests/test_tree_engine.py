@@ -56,12 +56,21 @@ def test_tree_target_as_own_draft_accepts_the_whole_path():
         assert r.stats["acceptance_length"] == pytest.approx(5.0), seed
 
 
+# One EOS id for every seed: the EOS targets then differ only in their weights, so their programs
+# compile once (an EOS id of its own per seed compiled two programs a seed). 15 comes first at
+# token 5 of seed 0's greedy tokens and at token 6 of seed 2's; seeds 1, 3, 4 never emit it.
+EOS = 15
+
+
 def test_tree_stops_at_eos_inside_an_accepted_path():
+    places = set()
     for seed in range(5):
         base, ps = tiny.model(seed), tiny.prompts(seed, lengths=(9,))
         ref = reference(base, ps)[0]
-        target = tiny.with_eos(base, ref[5])
-        expected = ref[: ref.index(ref[5]) + 1]
+        target = tiny.with_eos(base, EOS)
+        expected = ref[: ref.index(EOS) + 1] if EOS in ref else ref
+        if EOS in ref:  # token 0 is the prefill's, then paths of 5 (4 drafts + the bonus)
+            places.add("end" if ref.index(EOS) % 5 == 0 else "inside")
         r = generate(
             target,
             ps,
@@ -73,4 +82,6 @@ def test_tree_stops_at_eos_inside_an_accepted_path():
             branch=1,
             bs=4,
         )
-        assert r.tokens[0] == expected
+        assert r.tokens[0] == expected, seed
+    # the EOS fell inside an accepted path (drafts after it dropped) and at its end (the bonus)
+    assert places == {"inside", "end"}, "the models changed: pick another EOS"
