@@ -128,7 +128,11 @@ def _ragged(seed, n=8, vocab=96):
 DRAFTS = ("ngram", "model", "self-streaming", "self-snapkv")
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+# batch 1 is slow (test-all): batch 8 runs the same methods and draft kinds over the same
+# prompts, and on this tiny CPU model the batch-1 tokens came out equal even with the default,
+# non-invariant numerics (so that case could not fail for the property it names); batch 1 is
+# measured on the GPU (benchmarks/bench_bit_exact.py) and the logits tests above pin the rows
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])
 def test_speculative_equals_autoregressive_bit_for_bit_in_bf16(batch):
     target = jaxspec.new_model(WIDE, seed=5, dtype=jnp.bfloat16)
     target.kernels = INVARIANT
