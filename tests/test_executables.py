@@ -76,6 +76,36 @@ def test_a_kept_program_is_read_back_by_a_later_compile(tmp_path):
         assert LOADS[-1] is False and len(list(kept.glob("*.exe"))) == 4
 
 
+def test_compile_all_reads_kept_programs_and_compiles_only_the_rest(tmp_path):
+    """``compile_all`` (MagicDec's measuring) keeps what it compiles in the store, and a later
+    process finds it there: it reads those first and says "compiling" of the others only."""
+    x = jnp.asarray(np.random.RandomState(2).randn(6).astype(np.float32))
+
+    def jobs(*factors):
+        return [
+            programs.Job(_scaled, Scale(f), (x,), programs.shapes_key(x), what=f"x{f}")
+            for f in factors
+        ]
+
+    def forget():
+        for full in [k for k in programs._COMPILED if k[0] is _scaled]:
+            del programs._COMPILED[full]
+
+    said = []
+    with _store(tmp_path) as kept:
+        forget()
+        programs.compile_all(jobs(5.0, 6.0), workers=2, progress=said.append)
+        assert LOADS == [False, False] and len(list(kept.glob("*.exe"))) == 2
+        assert said == ["compiling 2 programs on 2 threads: x5.0; x6.0"]
+        forget()
+        said.clear()
+        programs.compile_all(jobs(5.0, 7.0, 6.0), workers=2, progress=said.append)
+        assert LOADS[2:] == [True, False, True] and said == ["compiling x7.0"]
+        for f in (5.0, 6.0, 7.0):
+            exe = programs._COMPILED[jobs(f)[0].full]
+            np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(jnp.sin(x) * f))
+
+
 def test_a_damaged_kept_program_is_compiled_again(tmp_path):
     x = jnp.arange(4, dtype=jnp.float32)
     with _store(tmp_path) as kept:

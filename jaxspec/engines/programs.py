@@ -152,12 +152,26 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
             continue
         seen.add(j.full)
         todo.append((i, j))
-    if not todo:
+    # first every program kept on disk, one after another and before any compile starts: on a
+    # CPU, two programs deserialized at once on two threads failed to run ("Function ... not
+    # found"), and a compile beside a deserialization is not known to be safe either
+    rest = []
+    for i, j in todo:
+        with Timer() as t:
+            options = _options(j.static, j.options)
+            where, name, exe = _stored(j.full, options)
+        seconds[i] = t.s
+        if exe is None:
+            rest.append((i, j, options, where, name))
+            continue
+        with _COMPILE_LOCK:
+            _keep(j.full, exe)
+    if not rest:
         return seconds
     if progress is not None:
-        names = [j.what or getattr(j.fn, "__name__", "a program") for _, j in todo]
-        where = f" on {workers} threads" if workers > 1 else ""
-        many = f"{len(todo)} programs{where}: " if len(todo) > 1 else ""
+        names = [j.what or getattr(j.fn, "__name__", "a program") for _, j, *_ in rest]
+        on = f" on {workers} threads" if workers > 1 else ""
+        many = f"{len(rest)} programs{on}: " if len(rest) > 1 else ""
         progress(f"compiling {many}{'; '.join(names)}")
 
     def timed(lowered, options, where, name):
@@ -168,17 +182,10 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
     pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), "jaxspec-compile")
     try:
         pending = []
-        for i, j in todo:
+        for i, j, options, where, name in rest:
             with Timer() as t:
-                options = _options(j.static, j.options)
-                where, name, exe = _stored(j.full, options)
-                if exe is None:
-                    lowered = _lower(j.full, j.args)
-            seconds[i] = t.s
-            if exe is not None:
-                with _COMPILE_LOCK:
-                    _keep(j.full, exe)
-                continue
+                lowered = _lower(j.full, j.args)
+            seconds[i] += t.s
             pending.append((i, j.full, pool.submit(timed, lowered, options, where, name)))
         for i, full, future in pending:
             exe, s = future.result()
