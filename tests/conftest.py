@@ -49,6 +49,8 @@ with install_import_hook(["jaxspec", "pallas_kernels"], CHECKER):
         for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{package}."):
             importlib.import_module(info.name)
 
+from jaxspec.engines import programs  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _no_persistent_compile_cache():
@@ -60,3 +62,26 @@ def _no_persistent_compile_cache():
     if on:
         jax.config.update("jax_compilation_cache_dir", None)
         pytest.fail(f"this test turned JAX's persistent compilation cache on ({on})")
+
+
+# The suite's program cache holds more programs than a user's process keeps (64): one worker
+# runs hundreds of tests over the same tiny shapes, and a program dropped there is compiled again
+# by a later test (seconds each on a CPU).
+SUITE_PROGRAMS = 256
+
+
+@pytest.fixture(autouse=True)
+def _programs_outlive_a_clearing_test():
+    """A test that empties the program cache (so that its spies see fresh traces) gets the
+    programs compiled before it back when it ends, as they were: the tests after it do not
+    compile them again (eight files clear it). What the test compiled itself stays too, unless it
+    removed it."""
+    programs.MAX_PROGRAMS = SUITE_PROGRAMS
+    before = list(programs._COMPILED.items())
+    yield
+    if len(before) and any(k not in programs._COMPILED for k, _ in before):
+        with programs._COMPILE_LOCK:
+            for k, exe in before:
+                programs._COMPILED[k] = exe
+            while len(programs._COMPILED) > programs.MAX_PROGRAMS:
+                programs._COMPILED.popitem(last=False)

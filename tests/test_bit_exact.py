@@ -128,12 +128,31 @@ def _ragged(seed, n=8, vocab=96):
 DRAFTS = ("ngram", "model", "self-streaming", "self-snapkv")
 
 
+# Each run once per method and draft kind by default (chain + model, tree + ngram, magicdec with
+# each sparse self-draft, tree + feature); the other five pairs are slow (test-all): each pair is
+# its own programs (12-14 s of compiling on 2 cores) over the same numerics.
+_slow = pytest.mark.slow
+RUNS = [
+    ("chain", "model", {}),
+    ("tree", "ngram", {}),
+    ("magicdec", "self-streaming", {"gamma": 3, "budget": 32}),
+    ("magicdec", "self-snapkv", {"gamma": 2, "budget": 48}),
+    ("tree", "feature", {}),
+    pytest.param("chain", "ngram", {}, marks=_slow),
+    pytest.param("tree", "model", {}, marks=_slow),
+    pytest.param("magicdec", "model", {"shape": "tree", "budget": 32}, marks=_slow),
+    pytest.param("chain", "feature", {"gamma": 3}, marks=_slow),
+    pytest.param("magicdec", "feature", {"gamma": 2, "budget": 32}, marks=_slow),
+]
+
+
 # batch 1 is slow (test-all): batch 8 runs the same methods and draft kinds over the same
 # prompts, and on this tiny CPU model the batch-1 tokens came out equal even with the default,
 # non-invariant numerics (so that case could not fail for the property it names); batch 1 is
 # measured on the GPU (benchmarks/bench_bit_exact.py) and the logits tests above pin the rows
 @pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])
-def test_speculative_equals_autoregressive_bit_for_bit_in_bf16(batch):
+@pytest.mark.parametrize("method, kind, opts", RUNS)
+def test_speculative_equals_autoregressive_bit_for_bit_in_bf16(batch, method, kind, opts):
     target = jaxspec.new_model(WIDE, seed=5, dtype=jnp.bfloat16)
     target.kernels = INVARIANT
     small = tiny.perturbed(jaxspec.new_model(WIDE, seed=5, dtype=jnp.bfloat16), 0.05, 2)
@@ -141,20 +160,13 @@ def test_speculative_equals_autoregressive_bit_for_bit_in_bf16(batch):
     # batch 1: three prompts of one padded width (16), so each method compiles its programs once
     # (a second width only doubled the compiles; batch 8 pads to 32)
     groups = [prompts] if batch == 8 else [[prompts[i]] for i in (0, 2, 4)]
-    runs = [("chain", "ngram", {}), ("chain", "model", {}), ("tree", "model", {}),
-            ("tree", "ngram", {}), ("magicdec", "self-streaming", {"gamma": 3, "budget": 32}),
-            ("magicdec", "self-snapkv", {"gamma": 2, "budget": 48}),
-            ("magicdec", "model", {"shape": "tree", "budget": 32}),
-            ("chain", "feature", {"gamma": 3}), ("tree", "feature", {}),
-            ("magicdec", "feature", {"gamma": 2, "budget": 32})]  # fmt: skip
-    head = random_head(target, intermediate=64)
+    draft = {"model": small, "feature": random_head(target, intermediate=64)}.get(kind, kind)
     for ps in groups:
         ref = jaxspec.generate(target, ps, max_new_tokens=16).tokens
-        for method, kind, opts in runs:
-            draft = {"model": small, "feature": head}.get(kind, kind)
-            got = jaxspec.generate(target, ps, draft=draft, method=method, max_new_tokens=16,
-                                   **opts).tokens  # fmt: skip
-            assert got == ref, (method, kind, batch)
+        got = jaxspec.generate(
+            target, ps, draft=draft, method=method, max_new_tokens=16, **opts
+        ).tokens
+        assert got == ref, (method, kind, batch)
 
 
 def test_a_batch_row_equals_the_same_prompt_alone():

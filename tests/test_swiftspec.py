@@ -28,7 +28,17 @@ def target_and_prompts(seed, lengths=(23, 3, 11)):
     return tiny.model(seed, **CHANGES), tiny.prompts(seed, lengths=lengths, vocab=64)
 
 
-@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (2, 2), (4, 2)])
+# one device each and the widest meshes by default; (2, 1) and (2, 2) are the same programs
+# sharded in between (25-31 s of compiles each): slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (1, 1),
+        pytest.param((2, 1), marks=pytest.mark.slow),
+        pytest.param((2, 2), marks=pytest.mark.slow),
+        (4, 2),
+    ],
+)
 def test_swiftspec_greedy_equals_autoregressive_on_every_layout(layout):
     for seed in range(5):
         target, ps = target_and_prompts(seed)
@@ -338,6 +348,10 @@ def test_device_loop_keeps_its_weights_copy_and_executable_for_the_next_call():
     assert gone() is None
 
 
+# slow (47 s interpreted): bench_swiftspec_2gpu.py runs this loop with the kernel compiled on
+# two GPUs and compares its tokens with the serial engine's; the kernel's own tests (interpreted
+# here) cover its numerics
+@pytest.mark.slow
 def test_device_loop_with_the_pallas_attention_kernel():
     """The kernel (interpreted here; compiled on a GPU) inside the loop's shard_map, cond and
     while_loop, through its custom_partitioning wrapper: tokens still equal autoregressive."""
