@@ -16,11 +16,15 @@ skipped and says so):
 - ``sweep``: ``qmatmul`` alone on Llama-3-8B's gate/up (4096 x 14336) and down (14336 x 4096)
   projections, 8 rows (the model pads a decode step's stream to 8 on a GPU), int8 and int4, for
   each tile of ``TILES``: microseconds and GB/s of the bytes read; the tile with the least total
-  time per bits is the one ``steps`` uses.
+  time per bits is the one ``steps`` uses. Beside them, per bits, the XLA path on the same
+  shapes (``quant.dequantize`` to bf16, then ``jnp.dot``, in one jitted loop: XLA may fuse the
+  convert into its GEMM; GB/s of the packed bytes), and once a bf16 ``jnp.dot`` of the dense
+  weight (GB/s of its bf16 bytes): the floor the quantized kernels must beat.
 - ``steps``: ``bench_decode_gpu.run_case`` (one jitted loop of decode steps, cache donated) on
-  Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128); then the
-  SmolLM2-135M shape at B=1, 1K: bf16 and its GGUF layout (Q4_1 layers, Q8_0 embedding). The
-  floor is the bytes as stored (codes, scales, mins) plus the K/V in view, over 4.3 TB/s.
+  Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128), each also
+  through the XLA path (``+xla``: ``KernelConfig(quant_matmul="xla")``); then the SmolLM2-135M
+  shape at B=1, 1K: bf16 and its GGUF layout (Q4_1 layers, Q8_0 embedding). The floor is the
+  bytes as stored (codes, scales, mins) plus the K/V in view, over 4.3 TB/s.
 - ``real``: the real SmolLM2-135M-Instruct (its GGUF: ``JAXSPEC_DEFAULT_GGUF`` or the installed
   package), autoregressive ``generate()`` of ``--new`` tokens at B=1 on a chat prompt, kept
   quantized against dequantized at load (bf16 on a GPU; float32 and bf16 on a CPU).
@@ -28,7 +32,8 @@ skipped and says so):
 The JSON keeps one section per device, ``gpu`` and ``cpu`` (a run replaces its own and keeps
 the other's: the GPU runner starts from the committed file). On top: the metadata of the last
 run, the GPU section's ``int8_over_bf16_8b`` and ``int4_over_bf16_8b`` (step-time ratios of one
-run), ``int8_of_floor_8b`` / ``int4_of_floor_8b`` (floor over step), ``smol_q4_1_over_bf16``
+run; ``..._xla_over_bf16_8b`` for the ``+xla`` rows), ``int8_of_floor_8b`` / ``int4_of_floor_8b``
+(floor over step), ``smol_q4_1_over_bf16``
 (the random-weight SmolLM2 step) and ``real_q4_1_over_bf16_tok_per_s`` (the real model kept
 quantized over dequantized to bf16), and ``rows``: every measurement of both sections with its
 float baseline of the same run beside it (steps: kernels per layer too).
@@ -60,21 +65,29 @@ from jaxspec.timing import loop_ms, repeat
 from pallas_kernels import quant, quant_linear
 
 SECTIONS = ("check", "sweep", "steps", "real")
-# (BN, BK, K splits, warps, stages): the kernel's default first (quant_linear.BN, BK, ...), then
-# wider tiles, a longer K loop, and one split only (no partial sums for XLA to add: the kernel
-# count of the bf16 step, whose GEMMs write finished products)
+# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan: the first kernel's default
+# (per-element scale gathers then; 64 x 256 took 88-143 us int8, 61-70 int4 on the two sweep
+# shapes: the committed gpu section), then quant_linear's default, then rows of 128-512 bytes of
+# codes, K tiles of 64-256 (256: int4 groups of 128 take two scale rows a tile), 8 warps for the
+# widest, 4 stages for the shortest K tiles. Eight tiles: the old sweep's five took 64 s.
 TILES = (
     (64, 256, None, 4, 3),
+    (256, 128, None, 4, 3),
+    (128, 128, None, 4, 3),
     (128, 256, None, 4, 3),
-    (64, 512, None, 4, 4),
-    (32, 256, 1, 4, 3),
-    (64, 256, 1, 4, 3),
+    (256, 64, None, 4, 4),
+    (256, 128, None, 8, 3),
+    (256, 256, None, 8, 3),
+    (512, 64, None, 8, 3),
 )
-NO_SPLIT_WITHIN = 1.10  # a one-split tile within 10% of the fastest is taken instead
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
-STEP_CASES = ("8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4")
+XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
+STEP_CASES = (
+    "8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4",
+    "8b:1:4096:1:1:int8" + XLA, "8b:1:4096:1:1:int4" + XLA,
+)  # fmt: skip
 SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1")
-SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1")
+SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA)
 PROMPT = "Write a Python function that checks whether a number is prime."
 GB = 1e9
 
@@ -103,53 +116,74 @@ def check(smoke: bool) -> dict:
     return out
 
 
-def _qmatmul_us(x, w, tile) -> float:
-    """Microseconds of one ``qmatmul`` (its partials summed) with the tile, back to back."""
-    bn, bk, splits, warps, stages = tile
-    interpret = jax.default_backend() != "gpu"
+def _product_us(product, x, w) -> float:
+    """Microseconds of one ``product(x, w)`` (``[M, N]``), back to back in one jitted loop. The
+    weight is an argument, not a constant XLA could fold; a dequantize that XLA hoisted out of
+    the loop would show as GB/s of packed bytes past the HBM's 4.8 TB/s."""
 
-    def step(s):
-        y = jnp.sum(quant_linear.qmatmul(
-            s, w, interpret=interpret, bn=bn, bk=bk, splits=splits, num_warps=warps,
-            num_stages=stages,
-        ), axis=0)  # fmt: skip
+    def step(s, w):
+        y = product(s, w)
         return s + (y[:, :1] * 0).astype(s.dtype)  # each call waits for the one before
 
     run = jax.jit(repeat(step), donate_argnums=0)
-    return 1e3 * loop_ms(run, x, n=16, reps=5)
+    return 1e3 * loop_ms(run, x, w, n=16, reps=5)
+
+
+def _kernel(tile):
+    """``qmatmul`` with ``tile``, its partials summed."""
+    bn, bk, splits, warps, stages = tile
+    interpret = jax.default_backend() != "gpu"
+    return lambda x, w: jnp.sum(quant_linear.qmatmul(
+        x, w, interpret=interpret, bn=bn, bk=bk, splits=splits, num_warps=warps,
+        num_stages=stages,
+    ), axis=0)  # fmt: skip
+
+
+def _xla(x, w):
+    """The XLA path: dequantize to bf16, then XLA's GEMM (which may fuse the convert)."""
+    wf = w if not quant.is_quantized(w) else quant.dequantize(w, jnp.bfloat16)
+    return jnp.dot(x, wf, preferred_element_type=jnp.float32)
+
+
+def _timed(product, x: dict, weights: dict) -> dict:
+    """Microseconds and GB/s (of each weight's bytes as stored) on every sweep shape."""
+    times = {name: _product_us(product, x[name], w) for name, w in weights.items()}
+    nbytes = {name: w.nbytes for name, w in weights.items()}
+    return {
+        "us": {k: round(v, 2) for k, v in times.items()},
+        "gb_per_s": {k: round(nbytes[k] / GB / (times[k] * 1e-6), 1) for k in times},
+    }
 
 
 def sweep(smoke: bool) -> dict:
-    """Each tile's time on the sweep shapes, per bits; the fastest tile per bits."""
+    """Each tile's time on the sweep shapes, per bits, the XLA path's and the dense bf16 GEMM's;
+    the fastest tile per bits, and whether the XLA path beat it."""
     shapes = {"tiny": (256, 512)} if smoke else SWEEP_SHAPES
     rng = np.random.default_rng(0)
-    rows, best = [], {}
+    dense = {n: jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for n, s in shapes.items()}
+    x = {name: jnp.ones((8, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
+    rows = [{"path": "bf16 dense, jnp.dot", **_timed(_xla, x, dense)}]
+    best, xla_faster = {}, {}
     for bits, group in ((8, None), (4, 128)):
-        weights = {}
-        for name, (k, n) in shapes.items():
-            dense = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-            weights[name] = quant.quantize(dense, bits, group, scale_dtype=jnp.float16)
-        x = {name: jnp.ones((8, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
+        weights = {
+            name: quant.quantize(w, bits, group, scale_dtype=jnp.float16)
+            for name, w in dense.items()
+        }
+        xla = _timed(_xla, x, weights)
+        rows.append({"bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
         totals = {}
         for tile in TILES:
             try:
-                times = {name: _qmatmul_us(x[name], w, tile) for name, w in weights.items()}
+                row = _timed(_kernel(tile), x, weights)
             except Exception as e:  # a tile Triton cannot compile is a row, not the end
                 rows.append({"bits": bits, "tile": tile, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
-            nbytes = {name: w.nbytes for name, w in weights.items()}
-            rows.append({
-                "bits": bits, "tile": list(tile), "us": {k: round(v, 2) for k, v in times.items()},
-                "gb_per_s": {k: round(nbytes[k] / GB / (times[k] * 1e-6), 1) for k in times},
-            })  # fmt: skip
-            totals[tile] = sum(times.values())
+            rows.append({"bits": bits, "path": "qmatmul", "tile": list(tile), **row})
+            totals[tile] = sum(row["us"].values())
         if totals:
-            fastest = min(totals, key=totals.get)
-            whole = [
-                t for t in totals if t[2] == 1 and totals[t] <= NO_SPLIT_WITHIN * totals[fastest]
-            ]
-            best[bits] = list(min(whole, key=totals.get) if whole else fastest)
-    return {"rows": rows, "best_tile": best}
+            best[bits] = list(min(totals, key=totals.get))
+            xla_faster[bits] = sum(xla["us"].values()) < totals[tuple(best[bits])]
+    return {"rows": rows, "best_tile": best, "xla_faster": xla_faster}
 
 
 def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
@@ -158,17 +192,22 @@ def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     base = KernelConfig.from_env()
     for text in cases:
-        case = Case.parse(text)
+        spec, xla = text.removesuffix(XLA), text.endswith(XLA)
+        case = Case.parse(spec)
+        name = case.name + (XLA if xla else "")
         kernels = base
         bits = {"int8": 8, "q8_0": 8}.get(case.quant, 4)
-        if case.quant != "bf16" and tiles.get(bits):
+        if xla:
+            kernels = dataclasses.replace(base, quant_matmul="xla")
+        elif case.quant != "bf16" and tiles.get(bits):
             kernels = dataclasses.replace(base, quant_tile=tuple(tiles[bits]))
         try:
             row = run_case(case, 8 if smoke else 32, 2 if smoke else 5, 4.3, dtype, kernels)
             layers = SHAPES[case.shape].num_layers
             row["kernels_per_layer"] = round((row["fusion_ops"] + row["custom_calls"]) / layers, 2)
+            row["case"] = name
         except Exception as e:  # a failed case is recorded, the others still run
-            row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         out.append(row)
         print(
             json.dumps({k: row.get(k) for k in ("case", "ms_per_step", "floor_over_ms", "error")}),
@@ -214,6 +253,9 @@ def headline(gpu: dict) -> dict:
         if a and b:
             out[f"{q}_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
             out[f"{q}_of_floor_8b"] = a["floor_over_ms"]
+        a = rows.get(f"8b:1:4096:1:1:{q}{XLA}")
+        if a and b:
+            out[f"{q}_xla_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
     a, b = rows.get("smol:1:1024:1:1:q4_1"), rows.get("smol:1:1024:1:1")
     if a and b:
         out["smol_q4_1_over_bf16"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
@@ -233,9 +275,11 @@ def table_rows(device: str, run: dict) -> list[dict]:
         if "ms_per_step" not in r:
             out.append({"device": device, "case": r["case"], "error": r.get("error")})
             continue
-        base = steps_by.get(r["case"].rsplit(":", 1)[0] if r["quant"] != "bf16" else r["case"])
+        plain = r["case"].removesuffix(XLA)
+        base = steps_by.get(plain.rsplit(":", 1)[0] if r["quant"] != "bf16" else plain)
         out.append({
-            "device": device, "case": r["case"], "weights": r["quant"],
+            "device": device, "case": r["case"],
+            "weights": r["quant"] + (" (xla path)" if r["case"].endswith(XLA) else ""),
             "ms_per_step": r["ms_per_step"], "bf16_ms_per_step": base and base["ms_per_step"],
             "over_bf16": base and round(r["ms_per_step"] / base["ms_per_step"], 3),
             "floor_ms": r["floor_ms"], "of_floor": r["floor_over_ms"],

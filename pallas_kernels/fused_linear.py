@@ -239,16 +239,19 @@ def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
         live = (jnp.arange(rows) < m)[:, None] & ((k0 + jnp.arange(bk)) < k)[None, :]
         plgpu.store(xo_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], x.astype(dt), mask=live & writer)
 
+    def in_order(cols):  # the split's columns in order, (k0, bk): a dense or 8-bit weight's
+        return isinstance(cols, tuple) and cols[1] == bk
+
     def prologue(*cols):
         full = settled((0, _pow2(k)))  # the whole row, for the norm's sum of squares
         inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
         out = []
         for cs in cols:
             x = settled(cs)  # these columns (the same arithmetic, so the same values)
-            if isinstance(cs, tuple):  # the split's columns in order: (k0, bk)
+            if in_order(cs):
                 store(x)
             out.append(_round(g_of(cs) * _round(x * inv, dt), dt))
-        if not any(isinstance(cs, tuple) for cs in cols):  # a 4-bit weight's rows, reordered
+        if not any(in_order(cs) for cs in cols):  # a 4-bit weight's two halves of other rows
             store(settled((k0, bk)))
         return out
 

@@ -9,9 +9,19 @@ codes ``[bk, bn]`` (4 bits: ``[bk/2, bn]`` bytes) and their scales, dequantizes 
 rounds to ``x``'s dtype, and multiplies them with the rows' activations in float32. It stores
 partial sum ``s``: ``[S, M, N]`` float32, which the caller sums (``S = 1``: nothing to sum).
 
+Scales are loaded once per distinct row a tile needs, never per weight element: a tile inside
+one group (per-channel int8: one group of all K; groups of a whole number of tiles) loads one
+``[1, bn]`` row that broadcasts over the tile; a tile cut by smaller groups loads one row per
+run of ``scale_run`` rows and repeats it over the run in registers. The first version gathered
+a scale for every element of every tile: ``[bk, bn]`` loads, pipelined through shared memory
+like the codes (a 64 x 512 int8 tile in 4 stages asked for 344,064 bytes: 3 x (32 KiB of codes,
+64 KiB of float16 scales, 16 KiB of activations)), and it read its codes at 0.41-0.67 TB/s on
+an H200 (benchmarks/notes/quantized.md).
+
 A 4-bit tile gives two float tiles, the low and the high nibbles, each of which multiplies the
 activations of its own rows of K (``quant.low_row``): two dots of ``bk/2``, no shuffle of the
-codes in registers.
+codes in registers. In a tile inside one group those rows are two runs of ``bk/2`` columns
+(contiguous loads); otherwise they are gathered.
 
 ``weight_tiles``, ``load_cols`` and ``tile_dot`` are shared with ``fused_linear``: its split-K
 projection kernels take quantized weights the same way, so a small model's layer stays four
@@ -38,7 +48,9 @@ from pallas_kernels.quant import QuantizedWeight
 
 MAX_ROWS = 16  # more rows: a GEMM is compute bound, the XLA path wins
 DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
-BN, BK, NUM_WARPS, NUM_STAGES = 64, 256, 4, 3
+# Wide tiles (256-byte rows of int8 codes or packed int4 bytes) inside a group of 128: a guess
+# until benchmarks/bench_quantized.py's sweep of TILES has run on an H200 (PENDING)
+BN, BK, NUM_WARPS, NUM_STAGES = 256, 128, 4, 3
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -101,39 +113,65 @@ def _finish(q, s, m, bits: int, dt):
     return f.astype(dt)
 
 
-def _group_tile(w: Weight, gidx, c, bn: int, ok):
-    """Scales (and mins) of the groups ``gidx [P]`` for columns ``[c, c + bn)``: ``[P, bn]``."""
-    shape = (gidx.shape[0], bn)
-    gg = jnp.broadcast_to(gidx[:, None], shape)
+def scale_run(group: int, bk: int, kdim: int) -> int:
+    """Rows of K in a ``bk``-row tile that share one scale row: the whole tile when it lies in
+    one group (one group in all, or groups of a whole number of tiles), else the largest power
+    of two dividing ``group`` (runs of it never cross a group's edge)."""
+    return bk if group == kdim else min(bk, group & -group)
+
+
+def _scales(w: Weight, k0, bk: int, c, bn: int, kdim: int, col_ok):
+    """Scales (and mins) in float32 for the tile of rows ``[k0, k0 + bk)`` of K, columns
+    ``[c, c + bn)``: ``[1, bn]`` when the tile lies in one group (it broadcasts over the tile's
+    rows), else one row per run of ``scale_run`` rows, repeated over the run's rows of the
+    codes (``run`` rows of 8-bit codes, ``run / 2`` packed rows of 4-bit ones). Only the tile's
+    distinct scale rows are loaded."""
+    run = scale_run(w.group, bk, kdim)
+    runs, per = bk // run, run * w.bits // 8
+    starts = k0 + jnp.arange(runs) * run
+    live = starts < kdim
+    shape = (runs, bn)
+    gg = jnp.broadcast_to(jnp.where(live, starts // w.group, 0)[:, None], shape)
     cc = jnp.broadcast_to(c + jnp.arange(bn)[None, :], shape)
-    load = functools.partial(plgpu.load, mask=ok, other=0.0)
-    s = load(w.refs[1].at[gg, cc]).astype(jnp.float32)
-    m = load(w.refs[2].at[gg, cc]).astype(jnp.float32) if len(w.refs) > 2 else None
-    return s, m
+
+    def load(ref):
+        v = plgpu.load(ref.at[gg, cc], mask=live[:, None] & col_ok, other=0.0)
+        v = v.astype(jnp.float32)
+        if runs == 1:
+            return v
+        return jnp.broadcast_to(v[:, None, :], (runs, per, bn)).reshape(runs * per, bn)
+
+    return load(w.refs[1]), load(w.refs[2]) if len(w.refs) > 2 else None
 
 
 def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
     """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles in ``dt``,
     each with the rows of K it holds (``load_cols``' ``cols``): one tile for a dense or 8-bit
-    weight, two (low and high nibbles) for a 4-bit one. Past the weight's ends: zeros."""
+    weight, two (low and high nibbles) for a 4-bit one. Past the weight's ends: zeros, or
+    finite values whose rows of K are past K (``load_cols`` reads those activations as zero)."""
     col_ok = ((c + jnp.arange(bn)) < n)[None, :]
     if w.bits is None or w.bits == 8:
-        rows = k0 + jnp.arange(bk)
-        ok = (rows < kdim)[:, None] & col_ok
+        ok = ((k0 + jnp.arange(bk)) < kdim)[:, None] & col_ok
         tile = plgpu.load(w.refs[0].at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0)
         if w.bits is None:
             return [((k0, bk), tile)]
-        s, m = _group_tile(w, jnp.where(rows < kdim, rows // w.group, 0), c, bn, ok)
+        s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
         return [((k0, bk), _finish(tile.astype(jnp.float32), s, m, 8, dt))]
-    half = bk // 2
+    half, ghalf = bk // 2, w.group // 2
     prow = k0 // 2 + jnp.arange(half)
     ok = (prow < kdim // 2)[:, None] & col_ok
     packed = plgpu.load(w.refs[0].at[pl.ds(k0 // 2, half), pl.ds(c, bn)], mask=ok, other=0)
-    s, m = _group_tile(w, jnp.where(prow < kdim // 2, prow // (w.group // 2), 0), c, bn, ok)
+    s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
     lo = _finish((packed & 15).astype(jnp.float32), s, m, 4, dt)
     hi = _finish((packed >> 4).astype(jnp.float32), s, m, 4, dt)
+    if w.group % bk == 0:
+        # the packed rows lie in group k0 // group, so their low rows are one run (a tile past
+        # K's end starts past K, where the activations read as zero); else they are gathered
+        # (groups smaller than bk; one group of all K whose last tile hangs past K's end)
+        start = pl.multiple_of(k0 // 2 + (k0 // w.group) * ghalf, half)
+        return [((start, half), lo), ((start + ghalf, half), hi)]
     low = quant.low_row(prow, w.group)
-    return [(low, lo), (low + w.group // 2, hi)]
+    return [(low, lo), (low + ghalf, hi)]
 
 
 def tile_dot(a, w, rows: int):

@@ -21,6 +21,7 @@ RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 FORMATS = {  # name -> (bits, group, mins)
     "int8-channel": (8, None, False),
+    "int4-channel": (4, None, False),  # AWQ's group_size -1
     "q8_0": (8, 32, False),
     "int4": (4, 32, False),
     "q4_1": (4, 32, True),
@@ -29,8 +30,9 @@ FORMATS = {  # name -> (bits, group, mins)
 
 
 def random_weight(rng, k: int, n: int, fmt: str, dtype=jnp.float32) -> quant.QuantizedWeight:
-    """Random codes, scales (float16, as GGUF stores them) and mins of one format."""
-    bits, group, mins = FORMATS[fmt]
+    """Random codes, scales (float16, as GGUF stores them) and mins of one format (a name of
+    ``FORMATS`` or its ``(bits, group, mins)``)."""
+    bits, group, mins = FORMATS[fmt] if isinstance(fmt, str) else fmt
     group = group or k
     g = k // group
     scales = jnp.asarray(rng.uniform(0.005, 0.05, (g, n)), jnp.float16)
@@ -133,6 +135,41 @@ def test_in_kernel_dequantization_is_bit_exact(fmt):
     x = jnp.asarray(np.eye(k, dtype=np.float32)[pick])
     got = _finite(jnp.sum(ql.qmatmul(x, w, interpret=INTERPRET, bn=16, bk=32), axis=0))
     np.testing.assert_array_equal(got, np.asarray(quant.dequantize(w))[pick])
+
+
+@pytest.mark.parametrize("bits, group, bk", [(8, 48, 64), (4, 96, 128)])
+def test_groups_of_no_power_of_two_take_a_scale_row_per_run(bits, group, bk):
+    """Tiles of 64 (128) rows cut groups of 48 (96) in the middle: the kernel takes a scale row
+    for each run of 16 (32) rows, the largest power of two dividing the group. Rows of the
+    identity pick the weight's rows one at a time, so the whole dequantized weight must come
+    out to the bit."""
+    rng = np.random.default_rng(bits)
+    k, n = 288, 40
+    w = random_weight(rng, k, n, (bits, group, bits == 4))
+    eye = np.eye(k, dtype=np.float32)
+    got = np.concatenate([
+        _finite(jnp.sum(ql.qmatmul(jnp.asarray(eye[i : i + 16]), w, interpret=INTERPRET, bn=16,
+                                   bk=bk), axis=0))
+        for i in range(0, k, 16)
+    ])  # fmt: skip
+    np.testing.assert_array_equal(got, np.asarray(quant.dequantize(w)))
+
+
+def test_norm_project_stores_the_residual_beside_4bit_tiles_of_whole_groups():
+    """A 4-bit weight in groups of whole tiles hands the norm its low and high rows as two runs
+    of bk / 2 columns, neither of which is the split's own columns: the settled residual is
+    still stored, once, for the split's columns."""
+    rng = np.random.default_rng(7)
+    m, k = 2, 128
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    g = jnp.asarray(rng.random(k), jnp.float32)
+    pending = jnp.asarray(rng.standard_normal((2, m, k)), jnp.float32)
+    ws = (random_weight(rng, k, 24, "int4-g64"),)
+    settled, part = fl.norm_project(x, pending, g, ws, eps=1e-5, interpret=INTERPRET, bn=16,
+                                    bk=64)  # fmt: skip
+    want_x, want = fl.norm_project_reference(x, pending, g, ws, eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(settled), np.asarray(want_x))
+    _close(jnp.sum(part, axis=0), want[0], jnp.float32)
 
 
 def test_qmatmul_refuses_what_it_cannot_take():
