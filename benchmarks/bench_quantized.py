@@ -65,20 +65,23 @@ from jaxspec.timing import loop_ms, repeat
 from pallas_kernels import quant, quant_linear
 
 SECTIONS = ("check", "sweep", "steps", "real")
-# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan: the first kernel's default
-# (per-element scale gathers then; 64 x 256 took 88-143 us int8, 61-70 int4 on the two sweep
-# shapes: the committed gpu section), then quant_linear's default, then rows of 128-512 bytes of
-# codes, K tiles of 64-256 (256: int4 groups of 128 take two scale rows a tile), 8 warps for the
-# widest, 4 stages for the shortest K tiles. Eight tiles: the old sweep's five took 64 s.
+# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan. The first H200 sweep of the
+# scale-row kernel (2026-12-03, 5ba556f; benchmarks/notes/quantized.md) ranked 256 x 64 in 4
+# stages first for int8 (49-51 us on the two shapes) and 256 x 128 in 3 for int4 (39-44 us);
+# 64 x 256 (the old default) 52-62 us, 8 warps slower everywhere, 256 x 256 in 3 stages over
+# the shared memory. This sweep looks around the two winners: shorter K tiles, deeper pipelines,
+# wider rows, fewer warps.
 TILES = (
-    (64, 256, None, 4, 3),
-    (256, 128, None, 4, 3),
-    (128, 128, None, 4, 3),
-    (128, 256, None, 4, 3),
     (256, 64, None, 4, 4),
-    (256, 128, None, 8, 3),
-    (256, 256, None, 8, 3),
-    (512, 64, None, 8, 3),
+    (256, 128, None, 4, 3),
+    (256, 32, None, 4, 4),
+    (256, 64, None, 4, 6),
+    (512, 64, None, 4, 4),
+    (512, 32, None, 4, 4),
+    (256, 128, None, 4, 4),
+    (512, 128, None, 4, 3),
+    (256, 64, None, 2, 4),
+    (1024, 32, None, 4, 4),
 )
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
