@@ -48,8 +48,11 @@ from pallas_kernels.quant import QuantizedWeight
 
 MAX_ROWS = 16  # more rows: a GEMM is compute bound, the XLA path wins
 DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
-# Wide tiles (256-byte rows of int8 codes or packed int4 bytes) inside a group of 128: a guess
-# until benchmarks/bench_quantized.py's sweep of TILES has run on an H200 (PENDING)
+# Wide tiles (256-byte rows of int8 codes or packed int4 bytes) inside a group of 128. Two H200
+# sweeps of bench_quantized.py (2026-12-03, benchmarks/notes/quantized.md) put every 256-wide
+# tile within ~10% of another and of a bf16 GEMM timed the same way (about 50 us a call there),
+# ranking them differently run to run; in the decode steps this tile took Llama-3-8B's int8
+# step to 5.3-5.7 ms (29.6 with the per-element scale gathers) and int4 to 4.9-5.1 (13.1)
 BN, BK, NUM_WARPS, NUM_STAGES = 256, 128, 4, 3
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
