@@ -203,9 +203,9 @@ def _project(prologue, weights, widths, o_ref, *, k0, kdim: int, m: int, bn: int
             c = pl.multiple_of((j - first) * bn, bn)
             pairs = weight_tiles(w, k0, bk, c, bn, kdim, n, dt)
             acts = prologue(*(cols for cols, _ in pairs))
-            acc = tile_dot(acts[0], pairs[0][1], rows, dt)
+            acc = tile_dot(acts[0], pairs[0][1], rows)
             for a, (_, tile) in zip(acts[1:], pairs[1:], strict=True):
-                acc = acc + tile_dot(a, tile, rows, dt)
+                acc = acc + tile_dot(a, tile, rows)
             live = (jnp.arange(rows) < m)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
             plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(out0 + c, bn)], acc, mask=live)
 

@@ -39,7 +39,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
@@ -108,34 +107,12 @@ def load_cols(ref, rows: int, m: int, cols, limit: int, *lead):
     return plgpu.load(ref.at[idx], mask=ok, other=0.0).astype(jnp.float32)
 
 
-def codes_f32(q, offset: int = 0):
-    """Integer codes ``q`` (magnitude under 2**22) less ``offset`` as float32, exactly, by integer
-    arithmetic and one add: the float whose bits are ``0x4B400000 + q`` is ``1.5 * 2**23 + q``.
-    An int-to-float conversion is a quarter-rate instruction on the GPU; in an H200 profile of
-    Llama-3-8B's int8 decode step the converting kernel read its codes at 1.1-1.9 TB/s."""
-    bits = q.astype(jnp.int32) + np.int32(0x4B400000)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32) - np.float32(12582912.0 + offset)
-
-
-def round_bf16(f):
-    """``f.astype(bfloat16)`` (round to nearest, ties to even), kept in float32, by integer
-    arithmetic on the bits of finite ``f``: no conversion instruction either way."""
-    b = jax.lax.bitcast_convert_type(f, jnp.uint32)
-    b = (b + (np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(b, jnp.float32)
-
-
 def _finish(q, s, m, bits: int, dt):
-    """Codes ``q`` (an integer tile) and their scales (float32 tiles) as the weight's values in
-    ``dt``: ``quant.dequantize``'s float32 operations, then its rounding to ``dt``. A bfloat16
-    tile stays float32 holding bfloat16 values (``round_bf16``): a one-row step multiplies in
-    float32 anyway, and ``tile_dot`` casts it (exactly) for the tensor cores."""
+    """Codes ``q`` and their scales (float32 tiles) as the weight's values in ``dt``."""
     if m is not None:
-        f = codes_f32(q) * s + m
+        f = q * s + m
     else:
-        f = codes_f32(q, quant.OFFSET4) * s if bits == 4 else codes_f32(q) * s
-    if jnp.dtype(dt) == jnp.dtype(jnp.bfloat16):
-        return round_bf16(f)
+        f = (q - quant.OFFSET4) * s if bits == 4 else q * s
     return f.astype(dt)
 
 
@@ -171,8 +148,7 @@ def _scales(w: Weight, k0, bk: int, c, bn: int, kdim: int, col_ok):
 
 
 def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
-    """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles of ``dt``'s
-    values (a quantized bfloat16 weight's held in float32: ``_finish``),
+    """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles in ``dt``,
     each with the rows of K it holds (``load_cols``' ``cols``): one tile for a dense or 8-bit
     weight, two (low and high nibbles) for a 4-bit one. Past the weight's ends: zeros, or
     finite values whose rows of K are past K (``load_cols`` reads those activations as zero)."""
@@ -183,14 +159,14 @@ def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
         if w.bits is None:
             return [((k0, bk), tile)]
         s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
-        return [((k0, bk), _finish(tile, s, m, 8, dt))]
+        return [((k0, bk), _finish(tile.astype(jnp.float32), s, m, 8, dt))]
     half, ghalf = bk // 2, w.group // 2
     prow = k0 // 2 + jnp.arange(half)
     ok = (prow < kdim // 2)[:, None] & col_ok
     packed = plgpu.load(w.refs[0].at[pl.ds(k0 // 2, half), pl.ds(c, bn)], mask=ok, other=0)
     s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
-    lo = _finish(packed & 15, s, m, 4, dt)
-    hi = _finish(packed >> 4, s, m, 4, dt)
+    lo = _finish((packed & 15).astype(jnp.float32), s, m, 4, dt)
+    hi = _finish((packed >> 4).astype(jnp.float32), s, m, 4, dt)
     if w.group % bk == 0:
         # the packed rows lie in group k0 // group, so their low rows are one run (a tile past
         # K's end starts past K, where the activations read as zero); else they are gathered
@@ -201,15 +177,13 @@ def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
     return [(low, lo), (low + ghalf, hi)]
 
 
-def tile_dot(a, w, rows: int, dt=None):
-    """``a [rows, L]`` (float32 holding values of ``dt``, default ``w``'s dtype) times
-    ``w [L, bn]`` (values of ``dt``, possibly held in float32: ``weight_tiles``) in float32."""
+def tile_dot(a, w, rows: int):
+    """``a [rows, L]`` (float32 holding values of ``w``'s dtype) times ``w [L, bn]`` in float32."""
     if rows == 1:  # one row: products on the CUDA cores, summed over the tile
         return jnp.sum(a[:, :, None] * w.astype(jnp.float32)[None, :, :], axis=1)
-    dt = dt or w.dtype
-    return jax.lax.dot_general(  # tensor cores; a and w hold values of dt, so the casts are exact
-        a.astype(dt),
-        w.astype(dt),
+    return jax.lax.dot_general(  # tensor cores; a holds values of w's dtype, so the cast is exact
+        a.astype(w.dtype),
+        w,
         (((1,), (0,)), ((), ())),
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
@@ -280,7 +254,7 @@ def _kernel(x_ref, *refs, spec, m, k, n, bn, bk, tiles, rows, dt):
         # use, not at the load), so the two round trips overlap
         pairs = weight_tiles(w, k0, bk, c, bn, k, n, dt)
         for cols, tile in pairs:
-            acc = acc + tile_dot(load_cols(x_ref, rows, m, cols, k), tile, rows, dt)
+            acc = acc + tile_dot(load_cols(x_ref, rows, m, cols, k), tile, rows)
         return acc
 
     acc = jnp.zeros((rows, bn), jnp.float32)
