@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--shape smollm2|smollm2-narrow] [--new 128]
         [--reps 20] [--out benchmarks/results/host_overhead.json] [--keep-other-devices]
+        [--no-tune-host]
 
 For each method (autoregressive, chain with prompt lookup, tree with a 2-layer draft) one
 prompt of 64 token ids is decoded ``--reps`` times after two warm-up calls (compiles excluded),
@@ -14,10 +15,12 @@ and each call is split in two:
 - ``outside_ms``: the wall clock of the whole ``generate()`` call minus ``engine_ms``: option
   parsing, prompt encoding and padding, the compile-cache lookup, trimming, stats.
 
-Rows hold the medians over the repetitions. ``smollm2`` is SmolLM2-135M's shape (30 layers, the
-real number of weight leaves, which is what a call's host work scales with); ``smollm2-narrow``
-the same layers and leaves at width 64 (the CPU default: the same host work, a fast device
-part). Weights are random: acceptance is irrelevant here.
+The process first calls ``jaxspec.tune_host()``, as the CLI does (``--no-tune-host``: not;
+``jaxspec/host.py`` says what it changes and why). Rows hold the medians over the
+repetitions. ``smollm2`` is SmolLM2-135M's shape (30 layers, the real number of weight leaves,
+which is what a call's host work scales with); ``smollm2-narrow`` the same layers and leaves at
+width 64 (the CPU default: the same host work, a fast device part). Weights are random:
+acceptance is irrelevant here.
 """
 
 from __future__ import annotations
@@ -84,7 +87,13 @@ def main() -> None:
         help="keep --out's rows of other devices (each row names its device and commit): one "
         "file for the CPU and the H200 runs",
     )
+    ap.add_argument(
+        "--no-tune-host",
+        action="store_true",
+        help="leave the process's allocator as it is (jaxspec.tune_host not called)",
+    )
     args = ap.parse_args()
+    tuned = False if args.no_tune_host else jaxspec.tune_host()
     cfg = SHAPES[args.shape]
     dtype = jnp.bfloat16 if gpu else jnp.float32
     target = jaxspec.new_model(cfg, seed=0, dtype=dtype)
@@ -112,6 +121,7 @@ def main() -> None:
             "outside_ms_p90": round(float(np.percentile(outside, 90)), 4),
             "wall_ms": round(statistics.median(walls), 4),
             "engine_ms": round(statistics.median(engines), 4),
+            "tune_host": tuned,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

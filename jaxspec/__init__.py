@@ -18,6 +18,7 @@ from jaxspec.errors import (
     PromptError,
     WorkerError,
 )
+from jaxspec.host import tune_host
 from jaxspec.io.convert import convert, load
 from jaxspec.io.draft_checkpoint import load_draft
 from jaxspec.kernels import KernelConfig
@@ -49,4 +50,5 @@ __all__ = [
     "load_draft",
     "new_model",
     "stream",
+    "tune_host",
 ]

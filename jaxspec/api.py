@@ -125,10 +125,15 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
     req = base.Request(
         padded.shape[0], padded.shape[1], int(max_new_tokens), sampling, tuple(cfg.eos_token_ids)
     )
-    options = engine.Options.parse(method, method_options)
-    chosen = None
     if progress is not None and not callable(progress):
         raise OptionError(f"progress must be a function of one message, got {progress!r}.")
+    key = _program_key(engine, method_options, target, draft, req, kernels)
+    kept = None if key is None else target._cache.get(_PROGRAMS, {}).get(key)
+    if kept is not None:  # the same call as before: its options were checked then
+        prog, dweights = kept
+        return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, None, progress)
+    options = engine.Options.parse(method, method_options)
+    chosen = None
     if engine.open_choices(options) and jax.process_count() > 1:
         raise OptionError(
             f"method={method!r} leaves {', '.join(engine.open_choices(options))} to be chosen by "
@@ -142,7 +147,48 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
             profile_dir=profile_dir, streamed=bool(streamed),
         )  # fmt: skip
     prog, dweights = engine.program(target, draft, options, req, kernels)
+    if key is not None and chosen is None:
+        _keep_program(target, key, (prog, dweights))
     return Call(engine, prog, target, dweights, padded, lens, int(seed), draft, chosen, progress)
+
+
+# A call's static program, kept on its target (``Model._cache``, which drops it with the
+# parameters) per call signature, the ``KEPT_PROGRAMS`` most recent: parsing the options and
+# building the program again cost 0.1 ms of a warm call hot, 0.2-0.3 ms after a program run
+# (benchmarks/notes/host_overhead.md). Calls whose options are measured (tuning) are not kept.
+_PROGRAMS = "programs"
+KEPT_PROGRAMS = 16
+
+
+def _program_key(engine, method_options, target: Model, draft, req, kernels):
+    """What a call's program depends on besides the prompts' values, or None when a value is
+    not hashable (nothing is kept). A draft model counts with its parameters and kernels, an
+    option with its type."""
+    if isinstance(draft, Model):
+        draft = (draft, draft.weights, draft.kernels)
+    options = tuple(sorted((k, _typed(v)) for k, v in method_options.items()))
+    key = (engine.name, options, req, kernels, target.kernels, draft)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _typed(value):
+    """An option's value with its type, nested: 4 and 4.0 (or True and 1) are equal keys, but
+    only one of them is a valid option."""
+    if isinstance(value, tuple | list):
+        return type(value), tuple(_typed(v) for v in value)
+    return type(value), value
+
+
+def _keep_program(target: Model, key, value) -> None:
+    kept = target._cache.setdefault(_PROGRAMS, {})
+    kept.pop(key, None)
+    kept[key] = value
+    while len(kept) > KEPT_PROGRAMS:
+        del kept[next(iter(kept))]
 
 
 def run(call: Call) -> GenerationResult:

@@ -3,6 +3,7 @@ and every bad value a clear ``JaxspecError`` naming it (never a truncated float,
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,3 +103,36 @@ def test_bad_kernel_config_values_name_the_field():
             jaxspec.KernelConfig(**kw)
     with pytest.raises(jaxspec.OptionError, match="needs a GPU"):
         jaxspec.KernelConfig(fused_attention="pallas").resolve(TARGET.config, backend="cpu")
+
+
+def test_a_repeated_call_reuses_its_program_and_rechecks_what_differs():
+    """``prepare`` keeps a call's static program per call signature (host time): the same call
+    gets the same program and tokens; a value equal but of another type is still checked; new
+    parameters or another draft kernel setting build a new program."""
+    from jaxspec import api
+    from jaxspec.model.transformer import truncate, with_params
+
+    target = tiny.model(0)
+    draft = truncate(target, 1)
+    kw = dict(method="chain", draft=draft, max_new_tokens=4, gamma=2)
+    first = jaxspec.generate(target, IDS, **kw)
+    again = jaxspec.generate(target, [[1, 2, 3, 4], [5, 6, 7, 8]], **kw)
+    assert again.call.prog is first.call.prog
+    assert jaxspec.generate(target, IDS, **kw).tokens == first.tokens
+    with pytest.raises(jaxspec.OptionError, match="gamma must be"):
+        jaxspec.generate(target, IDS, **{**kw, "gamma": 2.0})
+    draft.kernels = jaxspec.KernelConfig(attention="reference", fused_linear="off")
+    assert api.prepare(target, IDS, **kw).prog is not first.call.prog
+    moved = with_params(target, jax.tree.map(lambda x: x, target.params))
+    assert api.prepare(moved, IDS, **kw).prog is not first.call.prog
+    for i in range(api.KEPT_PROGRAMS + 2):  # the most recent are kept, no more
+        api.prepare(target, IDS, method="autoregressive", max_new_tokens=4 + i)
+    assert len(target._cache[api._PROGRAMS]) == api.KEPT_PROGRAMS
+
+
+def test_tune_host_is_applied_once_and_says_whether_it_changed_anything():
+    import platform
+
+    assert jaxspec.tune_host() is jaxspec.tune_host()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert jaxspec.tune_host() is True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -223,5 +224,16 @@ def compiler_options(static) -> dict:
 
 
 def shapes_key(*arrays) -> tuple:
-    """The (shape, dtype) of small per-call arguments, for ``compiled``'s key."""
-    return tuple((np.shape(a), np.result_type(a).name) for a in arrays)
+    """The (shape, dtype) of small per-call arguments, for ``compiled``'s key (an array's own
+    dtype name read directly: ``np.result_type(a).name`` cost 0.03 ms a call)."""
+    return tuple((np.shape(a), _dtype_name(a)) for a in arrays)
+
+
+def _dtype_name(a) -> str:
+    dtype = getattr(a, "dtype", None)
+    return _name(dtype if isinstance(dtype, np.dtype) else np.result_type(a))
+
+
+@functools.cache
+def _name(dtype: np.dtype) -> str:
+    return dtype.name
