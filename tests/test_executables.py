@@ -4,6 +4,10 @@ exactly is never kept."""
 
 import contextlib
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +121,47 @@ def test_a_damaged_kept_program_is_compiled_again(tmp_path):
         np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(jnp.sin(x) * 2.0))
         _compile(Scale(2.0), x)
         assert LOADS == [False, False, True]
+
+
+_PROCESS = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from jaxspec.engines import programs
+from tests.test_executables import Scale, _scaled
+x = jnp.arange(5, dtype=jnp.float32)
+jax.jit(lambda a: a + 1)(x)  # JAX's cache is looked at before any keep, as loading a model does
+if sys.argv[2] == "jax":  # only JAX's own cache gets the program
+    jax.jit(_scaled, static_argnums=0).lower(Scale(6.0), x).compile()
+else:  # the store keeps it (first) or has it (then)
+    exe, _ = programs.compiled(_scaled, Scale(6.0), (x,), programs.shapes_key(x))
+    print(np.asarray(exe(x)).tolist())
+"""
+
+
+def test_a_program_jax_already_holds_is_kept_from_a_fresh_compile(tmp_path):
+    """A program to keep is compiled anew even when JAX's persistent cache holds it (as after a
+    jaxspec upgrade: the same program under a new name). On a CPU an executable JAX read back
+    from its cache serializes without its compiled functions: kept, it failed to run in the
+    next process ("Function ... not found"). Three processes: JAX's cache, keep, read back."""
+
+    def process(step):
+        r = subprocess.run(
+            [sys.executable, "-c", _PROCESS, str(tmp_path), step],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=pathlib.Path(__file__).parent.parent,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    want = (np.sin(np.arange(5, dtype=np.float32)) * np.float32(6.0)).tolist()
+    process("jax")
+    assert not (tmp_path / "jaxspec").exists()
+    kept = process("keep")
+    assert len(list((tmp_path / "jaxspec").glob("*.exe"))) == 1
+    assert kept == process("again")
+    np.testing.assert_allclose(eval(kept), want, rtol=1e-6)
 
 
 def test_without_the_persistent_cache_nothing_is_kept(tmp_path):

@@ -23,6 +23,7 @@ processes (``jax.distributed``) never use it: their programs span processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -33,12 +34,14 @@ import pathlib
 import pickle
 import sys
 import tempfile
+import threading
 
 import flax
 import jax
 import jaxlib
 import numpy as np
-from jax._src import config as jax_config  # the thread-local switch of JAX's cache
+from jax._src import compilation_cache as jax_cache  # its memoized "is the cache used"
+from jax._src import xla_bridge
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, Sharding
 from jax.tree_util import PyTreeDef
@@ -89,7 +92,7 @@ def describe(x) -> str:
             raise Unstable(f"a {type(x).__name__} without its devices")
         return f"{_plain(type(x), repr(x))}@{[d.id for d in devices]}"
     if isinstance(x, PyTreeDef | flax.nnx.GraphDef):
-        return _plain(type(x), repr(x))  # their reprs spell out every node and attribute
+        return _structure(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         fields = [f.name for f in dataclasses.fields(x) if f.compare]
         return f"{_path(type(x))}({','.join(f'{n}={describe(getattr(x, n))}' for n in fields)})"
@@ -98,6 +101,14 @@ def describe(x) -> str:
     if type(x).__module__.split(".")[0] in _ROOTS and getattr(x, "__dict__", None) == {}:
         return f"{_path(type(x))}()"  # one of ours without state (an engine): its class says it
     raise Unstable(f"no exact description of a {type(x).__name__}")
+
+
+@functools.lru_cache(maxsize=16)
+def _structure(x) -> str:
+    """A treedef's or graphdef's text: its repr spells out every node and attribute. Kept per
+    structure, as a process's programs share their model's (a SmolLM2 graphdef's repr took 65
+    ms, and a warm ``jaxspec generate`` looks up two programs)."""
+    return _plain(type(x), repr(x))
 
 
 def _path(obj) -> str:
@@ -145,11 +156,39 @@ def digest(fn, static, key, donate, options) -> str | None:
     return hashlib.sha256(f"{text}\n{env}".encode()).hexdigest()
 
 
+_FRESH = threading.Lock()
+_fresh = {"depth": 0, "used": False}
+
+
+@contextlib.contextmanager
 def fresh():
-    """A context in which this thread's compiles skip JAX's persistent cache: on a CPU, an
-    executable JAX read back from it serializes without its compiled functions (running the copy
-    fails with "Function ... not found"), so a program to keep is compiled anew."""
-    return jax_config.enable_compilation_cache(False)
+    """A context in which compiles skip JAX's persistent cache, so a program to keep is compiled
+    anew: on a CPU an executable JAX read back from its cache serializes without its compiled
+    functions (running the copy in another process fails with "Function ... not found").
+
+    JAX decides once per process whether its cache is used (``is_cache_used``, memoized), so
+    its thread-local ``enable_compilation_cache(False)`` switch is ignored after the first
+    compile: a warm ``jaxspec generate`` after an upgrade (the same programs under new names)
+    kept broken copies. So the memoized answer itself is turned off while any keeping compile
+    runs, and restored after the last one. Other threads' compiles in that window compile anew
+    too (correct, just not cached)."""
+    with _FRESH:
+        if _fresh["depth"] == 0:  # settled first with the process's own setting
+            _fresh["used"] = jax_cache.is_cache_used(xla_bridge.get_backend())
+            _set_cache_used(False)
+        _fresh["depth"] += 1
+    try:
+        yield
+    finally:
+        with _FRESH:
+            _fresh["depth"] -= 1
+            if _fresh["depth"] == 0:
+                _set_cache_used(_fresh["used"])
+
+
+def _set_cache_used(used: bool) -> None:
+    with jax_cache._cache_initialized_mutex:
+        jax_cache._cache_used = used
 
 
 def load(where: pathlib.Path, name: str):
