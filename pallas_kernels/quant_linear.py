@@ -47,7 +47,7 @@ from pallas_kernels import quant
 from pallas_kernels.quant import QuantizedWeight
 
 MAX_ROWS = 16  # more rows: a GEMM is compute bound, the XLA path wins
-DOT_ROWS = 16  # 2..16 rows are padded to Triton's smallest tensor-core tile; one row is summed
+DOT_ROWS = 16  # tensor-core rows: qmatmul pads every step to them; fused kernels sum one row
 # Wide tiles (256-byte rows of int8 codes or packed int4 bytes) inside a group of 128. Two H200
 # sweeps of bench_quantized.py (2026-12-03, benchmarks/notes/quantized.md) put every 256-wide
 # tile within ~10% of another and of a bf16 GEMM timed the same way (about 50 us a call there),
@@ -191,6 +191,10 @@ def tile_dot(a, w, rows: int):
 
 
 def rows_of(m: int) -> int:
+    """The rows a fused projection kernel computes for ``m`` (``qmatmul`` always computes
+    ``DOT_ROWS``: on an H200 the Llama-3-8B LM head's one-row sum took 481 us int8 and 536 us
+    int4 a step, padded to the tensor cores' tile 237 and 180 us; its per-layer projections
+    already get 8 rows (``KernelConfig.gemm_rows``), benchmarks/notes/quantized.md)."""
     return 1 if m == 1 else DOT_ROWS
 
 
@@ -288,7 +292,7 @@ def qmatmul(
     arrays, spec = operands(w)
     n_split, tiles = plan(k, n, bn, bk, splits, spec)
     kern = functools.partial(
-        _kernel, spec=spec, m=m, k=k, n=n, bn=bn, bk=bk, tiles=tiles, rows=rows_of(m),
+        _kernel, spec=spec, m=m, k=k, n=n, bn=bn, bk=bk, tiles=tiles, rows=DOT_ROWS,
         dt=x.dtype,
     )  # fmt: skip
     return pl.pallas_call(
