@@ -140,7 +140,10 @@ def settle(x, pending):
     identity when ``pending`` is None)."""
     if pending is None:
         return x
-    return x + jnp.sum(pending, axis=0).astype(x.dtype)
+    total = pending[0]
+    for p in pending[1:]:  # in order, as the kernels sum them: a reduce's order is XLA's choice
+        total = total + p  # (on the H200 ``jnp.sum`` over 3 partials differed in the last bit)
+    return x + total.astype(x.dtype)
 
 
 def norm_project_reference(x, pending, g, ws, *, eps: float):

@@ -14,5 +14,6 @@ use_gguf || sections=check,sweep,steps
 bench quantized_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
   tests/test_quant_kernels.py
 [ -f benchmarks/results/quantized.json ] && cp benchmarks/results/quantized.json "$OUT/quantized.json"
-bench quantized 240 python3 benchmarks/bench_quantized.py --sections "$sections" --budget-s 180 \
+# the real section takes about 80 s after the others' 180 (2026-12-03: a 240 s limit cut it)
+bench quantized 330 python3 benchmarks/bench_quantized.py --sections "$sections" --budget-s 250 \
   --out "$OUT/quantized.json"
