@@ -15,7 +15,8 @@ and each call is split in two:
 - ``outside_ms``: the wall clock of the whole ``generate()`` call minus ``engine_ms``: option
   parsing, prompt encoding and padding, the compile-cache lookup, trimming, stats.
 
-The process first calls ``jaxspec.tune_host()``, as the CLI does (``--no-tune-host``: not;
+Once the model is built the process calls ``jaxspec.tune_host()``, as ``jaxspec bench`` does
+once its model is loaded (``--no-tune-host``: not;
 ``jaxspec/host.py`` says what it changes and why). Rows hold the medians over the
 repetitions. ``smollm2`` is SmolLM2-135M's shape (30 layers, the real number of weight leaves,
 which is what a call's host work scales with); ``smollm2-narrow`` the same layers and leaves at
@@ -93,12 +94,12 @@ def main() -> None:
         help="leave the process's allocator as it is (jaxspec.tune_host not called)",
     )
     args = ap.parse_args()
-    tuned = False if args.no_tune_host else jaxspec.tune_host()
     cfg = SHAPES[args.shape]
     dtype = jnp.bfloat16 if gpu else jnp.float32
     target = jaxspec.new_model(cfg, seed=0, dtype=dtype)
     target.kernels = jaxspec.KernelConfig.from_env()
     small = truncate(target, 2)
+    tuned = False if args.no_tune_host else jaxspec.tune_host()
     ids = np.random.RandomState(0).randint(4, cfg.vocab_size, (1, 64)).tolist()
     meta = metadata()
     device = meta["device"]

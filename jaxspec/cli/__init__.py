@@ -20,7 +20,6 @@ from jaxspec.cli.commands import cmd_bench, cmd_convert, cmd_distill, cmd_profil
 from jaxspec.cli.generate import cmd_generate
 from jaxspec.cli.parser import build_parser
 from jaxspec.errors import JaxspecError
-from jaxspec.host import tune_host
 
 COMMANDS = {
     "convert": cmd_convert,
@@ -53,7 +52,6 @@ def cli_message(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_host()  # the CLI's process is ours: its warm calls' host time (jaxspec.host)
     try:
         args = build_parser().parse_args(argv)
         if args.command != "convert":  # a bad kernel setting fails before any work

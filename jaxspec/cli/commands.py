@@ -14,6 +14,7 @@ from jaxspec.cli.generate import parse_options
 from jaxspec.cli.parser import DISTILL_OPTIONS
 from jaxspec.engines import tree
 from jaxspec.errors import DeviceError, OptionError
+from jaxspec.host import tune_host
 from jaxspec.io import datasets
 from jaxspec.io.convert import convert
 from jaxspec.measure import bench, cost_model, split
@@ -32,6 +33,7 @@ def cmd_convert(args) -> int:
 def cmd_bench(args) -> int:
     options = parse_options(args.option)
     target = env.load_target(args)
+    tune_host()  # after the load: bench times many warm calls (jaxspec.host says why not sooner)
     draft = env.draft_of(args, target)
     prompts, source = datasets.load(args.dataset, args.prompts)
 
