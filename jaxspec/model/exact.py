@@ -24,9 +24,9 @@ Here:
 - a product that meets an add goes through ``rounded`` (an optimisation barrier): a compiler may
   fuse ``a * b + c`` into one FMA in one program and not in another (XLA's CPU backend does it in
   jitted fusions), which rounds differently.
-- programs compile without excess precision and, on a GPU, without autotuning and with
-  deterministic ops (``KernelConfig.compiler_options``): otherwise XLA may skip a bf16 rounding
-  inside a fusion, or pick another GEMM kernel for the same shape in another process.
+- programs compile without excess precision and, on a GPU, without autotuning
+  (``KernelConfig.compiler_options``): otherwise XLA may skip a bf16 rounding inside a fusion,
+  or pick another GEMM kernel for the same shape in another process.
 
 The price is a slower target (measured in benchmarks/results/bit_exact.json): a setting (CLI
 ``--exact``), not the default. Drafts keep their fast numerics: they change how many tokens are
