@@ -184,7 +184,8 @@ def merged(paths: list[str]) -> dict:
     order = {r[:2]: i for i, r in enumerate(RUNS)}
     rows = [r for p in parts for r in p["rows"]]
     rows.sort(key=lambda r: (-r["batch"], order[(r["method"], r["draft"])]))
-    return {**parts[0], "processes": len(parts), "rows": rows}
+    commands = [p["command"] for p in parts]
+    return {**parts[0], "processes": len(parts), "commands": commands, "rows": rows}
 
 
 def parted(tokens, other: dict, batch: int, numerics: str) -> int | None:

@@ -220,3 +220,29 @@ def test_an_invariant_gemm_is_the_same_loop_for_any_row_count(rows):
     assert dots == {f"f32[{exact.TILE},96]{{1,0}}"}, dots
     want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     np.testing.assert_allclose(np.asarray(fn(x, w)), want, rtol=1e-5, atol=1e-4)
+
+
+def test_invariant_programs_keep_the_engines_drop_mode_scatters():
+    """The engines' scatter idiom (a row's update dropped one past its end) compiled with the
+    invariant options. With ``xla_gpu_deterministic_ops`` among them, XLA's scatter rewrite put
+    row 2's dropped update on row 3's slot 0 on an H200 (a tree verify emitted its root token
+    for an accepted child: benchmarks/notes/bit_exact.md); on a GPU this test catches that, and
+    the option is kept out on every backend."""
+    options = INVARIANT.compiler_options()
+    assert "xla_gpu_deterministic_ops" not in options
+    b, m = 16, 8
+    rng = np.random.default_rng(0)
+    hit = rng.random(b) < 0.5
+    hit[2], hit[3] = False, True  # the pair the rewrite mixed up
+    n = rng.integers(0, m, b).astype(np.int32)
+    n[3] = 0
+    child = rng.integers(0, 1000, b).astype(np.int32)
+
+    def put(hit, n, child):
+        path = jnp.full((b, m), -1, jnp.int32)
+        return path.at[jnp.arange(b), jnp.where(hit, n, m)].set(child, mode="drop")
+
+    exe = jax.jit(put).lower(hit, n, child).compile(compiler_options=options)
+    want = np.full((b, m), -1, np.int32)
+    want[hit, n[hit]] = child[hit]
+    np.testing.assert_array_equal(np.asarray(exe(hit, n, child)), want)
