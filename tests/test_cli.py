@@ -197,3 +197,29 @@ def test_magicdec_auto_says_what_it_measures_and_a_later_run_reuses_it(
     assert len(list((tmp_path / "profiles").glob("magicdec-chain-*.json"))) == 1
     code, again, err = _run(argv, capsys)  # a new model object: the profile comes from disk
     assert code == 0 and "measuring" not in err and "timing" not in err and again == first
+
+
+EXIT = """
+import atexit, sys, threading, time
+from jaxspec.cli import exit_now
+atexit.register(lambda: print("hook ran", file=sys.stderr))
+if sys.argv[1] == "thread":  # a writer still running: the process must wait for it
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+print("answer", end="")
+sys.stderr.write("note")
+exit_now(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "thread"])
+def test_exit_now_flushes_runs_the_hooks_and_keeps_the_code(case):
+    """The CLI ends by ``exit_now`` (no interpreter teardown): what it printed still arrives,
+    its exit hooks still run, its code is the process's, and a thread still at work is waited
+    for."""
+    r = subprocess.run(
+        [sys.executable, "-c", EXIT, case, "3"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.startswith("answer")
+    assert "note" in r.stderr and "hook ran" in r.stderr
+    assert ("thread done" in r.stdout) == (case == "thread")

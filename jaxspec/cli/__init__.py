@@ -11,10 +11,14 @@ options, streamed answers) and ``commands`` (convert, bench, profile, distill).
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import re
 import sys
+import threading
 
-from jaxspec import launch
+from jaxspec import distributed, launch
 from jaxspec.cli import env
 from jaxspec.cli.commands import cmd_bench, cmd_convert, cmd_distill, cmd_profile
 from jaxspec.cli.generate import cmd_generate
@@ -68,4 +72,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["COMMANDS", "build_parser", "cli_message", "main"]
+def run() -> None:
+    """The ``jaxspec`` command (the console script and ``python -m jaxspec.cli``): ``main``, then
+    ``exit_now`` with its code."""
+    exit_now(main())
+
+
+def exit_now(code: int) -> None:
+    """End the command's process with ``code``, its output flushed and its exit hooks run, but
+    without the interpreter's teardown: freeing XLA's client and its loaded programs took about
+    0.7 s of a warm ``jaxspec generate`` on the 2-core CPU (5.9 -> 5.0 s wall, three runs
+    each). A process with other threads still running, or in a distributed job, exits the
+    usual way."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    alone = threading.active_count() == 1 and distributed.session() is None
+    if not alone:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["COMMANDS", "build_parser", "cli_message", "exit_now", "main", "run"]

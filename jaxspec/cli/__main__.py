@@ -1,8 +1,6 @@
 """``python -m jaxspec.cli``: the ``jaxspec`` command."""
 
-import sys
-
-from jaxspec.cli import main
+from jaxspec.cli import run
 
 if __name__ == "__main__":  # importing the module (as the test set-up does) runs nothing
-    sys.exit(main())
+    run()

@@ -18,7 +18,6 @@ from jaxspec.host import tune_host
 from jaxspec.io import datasets
 from jaxspec.io.convert import convert
 from jaxspec.measure import bench, cost_model, split
-from jaxspec.train.distill import distill, measured_acceptance
 
 
 def cmd_convert(args) -> int:
@@ -204,6 +203,10 @@ def _profile_magicdec(args, target, draft) -> int:
 
 
 def cmd_distill(args) -> int:
+    # imported here: training (optax and the data pipeline) cost every other command 0.2-0.3 s
+    # of import on the 2-core CPU, a twentieth of a warm `jaxspec generate`
+    from jaxspec.train.distill import distill, measured_acceptance
+
     target = env.load_target(args)
     options = {
         f: getattr(args, f) for _, f, _, _ in DISTILL_OPTIONS if getattr(args, f) is not None
