@@ -81,7 +81,7 @@ def run() -> None:
 def exit_now(code: int) -> None:
     """End the command's process with ``code``, its output flushed and its exit hooks run, but
     without the interpreter's teardown: freeing XLA's client and its loaded programs took about
-    0.7 s of a warm ``jaxspec generate`` on the 2-core CPU (5.9 -> 5.0 s wall, three runs
+    0.7 s of a warm ``jaxspec generate`` on the 2-core CPU (6.3 -> 5.0 s wall, two runs
     each). A process with other threads still running, or in a distributed job, exits the
     usual way."""
     sys.stdout.flush()
