@@ -5,8 +5,8 @@
 # (bench_bit_exact.py --runs; default every one); BATCHES default 16,1. A first process writes
 # its autoregressive tokens (--ar-only); the second decodes the runs and compares with its own
 # autoregressive tokens and with the first process's. One run of the 1B shape at batch 16 takes
-# about 65 s (both numerics, compiles included), so a call holds about four runs of one batch:
-# split the ten over calls. Four processes at once do not help: the invariant programs keep the
+# 33-53 s (both numerics, compiles included; 9684ca9), so a call holds about five runs of one
+# batch after the --ar-only process (about 40 s): split the ten over two calls. Four processes at once do not help: the invariant programs keep the
 # GPU busy (two rows in 450 s, 8d03831). Writes $OUT/bit_exact_<model>.json; join the calls'
 # files with `python benchmarks/bench_bit_exact.py --merge A.json B.json --out ...`.
 set -u
