@@ -8,8 +8,8 @@ invariant numerics (``KernelConfig(invariant=True)``) cost.
 A ragged set of prompts (HumanEval prompts, OpenAI, MIT licence, cut to 16 lengths from 24 to
 600 tokens) decoded greedily in bf16, ``--new`` tokens each, by autoregressive decoding and by
 chain, tree and magicdec with each draft kind (prompt lookup, a draft model, the self-drafts'
-sparse caches, a feature head: a random one, as no trained head ships yet; it exercises the same
-numerics), in the default numerics and in the invariant ones.
+sparse caches, a feature head: SmolLM2's shipped EAGLE-1 head, a random one for the 1B shape),
+in the default numerics and in the invariant ones.
 Batch 1 runs each prompt alone (the first ``--b1-prompts``), batch 16 all at once. A row
 *parts* when its tokens differ from the autoregressive tokens of the same numerics, decoded in
 this process; with ``--refs`` (written by an earlier ``--ar-only`` process), also when they
@@ -36,7 +36,7 @@ from benchmarks.common import humaneval_prompts, metadata, write
 from benchmarks.shapes import LLAMA32_1B, SMOKE
 from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint
-from jaxspec.io.draft_checkpoint import SHIPPED, load_draft
+from jaxspec.io.draft_checkpoint import SHIPPED, SHIPPED_FEATURE, load_draft
 from jaxspec.model.feature_head import random_head
 from jaxspec.model.transformer import truncate
 
@@ -79,6 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("smollm2", "1b", "smoke"), default="smollm2")
     ap.add_argument("--draft", default=str(SHIPPED))
+    ap.add_argument("--feature", default=str(SHIPPED_FEATURE), help="smollm2's feature head")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--b1-prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
@@ -104,11 +105,12 @@ def main() -> None:
     if args.model == "smollm2":
         target = load(default_checkpoint(), dtype=dtype)
         small = load_draft(args.draft, target)
+        head = load_draft(args.feature, target)
     else:
         shape = SMOKE if args.model == "smoke" else LLAMA32_1B  # smoke: tiny, for a CPU check
         target = jaxspec.new_model(shape, seed=0, dtype=dtype)
         small = truncate(target, 2)
-    head = random_head(target)
+        head = random_head(target)
     target.kernels = jaxspec.KernelConfig.from_env()
     plain = dict(fused_attention="off", fused_linear="off", fused_commit="off")
     invariant = jaxspec.KernelConfig(
@@ -178,14 +180,19 @@ def first_parted(tokens, ref) -> list[dict]:
 
 
 def merged(paths: list[str]) -> dict:
-    """One payload of several runs' outputs (processes that split the runs between them): the
-    first one's metadata, every row in ``RUNS`` order, batch 16 before batch 1."""
+    """One payload of several runs' outputs (processes that split the runs between them, or
+    calls of other models or commits): the first one's metadata, each row with its part's
+    commit, the rows by model, batch 16 before batch 1, then in ``RUNS`` order."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     order = {r[:2]: i for i, r in enumerate(RUNS)}
-    rows = [r for p in parts for r in p["rows"]]
-    rows.sort(key=lambda r: (-r["batch"], order[(r["method"], r["draft"])]))
-    commands = [p["command"] for p in parts]
-    return {**parts[0], "processes": len(parts), "commands": commands, "rows": rows}
+    rows = [{**r, "commit": r.get("commit", p["commit"])} for p in parts for r in p["rows"]]
+    rows.sort(key=lambda r: (r["model"], -r["batch"], order[(r["method"], r["draft"])]))
+    commands = sorted({c for p in parts for c in p.get("commands", [p["command"]])})
+    models = sorted({r["model"] for r in rows})
+    commits = sorted({r["commit"] for r in rows})
+    return {**parts[0], "model": models[0] if len(models) == 1 else models,
+            "commit": commits[0] if len(commits) == 1 else "per row", "processes": len(parts),
+            "commands": commands, "rows": rows}  # fmt: skip
 
 
 def parted(tokens, other: dict, batch: int, numerics: str) -> int | None:

@@ -34,6 +34,7 @@ from jaxspec.provenance import metadata
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
 SHIPPED = places.shipped_drafts() / "smollm2-135m-instruct-draft"
+SHIPPED_FEATURE = places.shipped_drafts() / "smollm2-135m-instruct-feature"  # EAGLE-1 head
 PathLike = str | os.PathLike
 
 
