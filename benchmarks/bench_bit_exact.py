@@ -180,19 +180,25 @@ def first_parted(tokens, ref) -> list[dict]:
 
 
 def merged(paths: list[str]) -> dict:
-    """One payload of several runs' outputs (processes that split the runs between them, or
-    calls of other models or commits): the first one's metadata, each row with its part's
-    commit, the rows by model, batch 16 before batch 1, then in ``RUNS`` order."""
+    """One payload of several outputs (processes that split the runs between them, or calls of
+    other models or commits): the first one's metadata, each row with its part's commit and
+    date, the rows by model, batch 16 before batch 1, then in ``RUNS`` order."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     order = {r[:2]: i for i, r in enumerate(RUNS)}
-    rows = [{**r, "commit": r.get("commit", p["commit"])} for p in parts for r in p["rows"]]
+    rows = [
+        {**r, "commit": r.get("commit", p["commit"]), "date": r.get("date", p["date"])}
+        for p in parts
+        for r in p["rows"]
+    ]
     rows.sort(key=lambda r: (r["model"], -r["batch"], order[(r["method"], r["draft"])]))
     commands = sorted({c for p in parts for c in p.get("commands", [p["command"]])})
     models = sorted({r["model"] for r in rows})
     commits = sorted({r["commit"] for r in rows})
-    return {**parts[0], "model": models[0] if len(models) == 1 else models,
-            "commit": commits[0] if len(commits) == 1 else "per row", "processes": len(parts),
-            "commands": commands, "rows": rows}  # fmt: skip
+    return {**parts[0], "date": max(r["date"] for r in rows),
+            "model": models[0] if len(models) == 1 else models,
+            "commit": commits[0] if len(commits) == 1 else "per row",
+            "command": "the JSON's commands (one a process), joined by bench_bit_exact.py --merge",
+            "processes": len(commands), "commands": commands, "rows": rows}  # fmt: skip
 
 
 def parted(tokens, other: dict, batch: int, numerics: str) -> int | None:
