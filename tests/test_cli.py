@@ -14,6 +14,7 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
+from jaxspec.cli import generate as cli_generate
 from jaxspec.cli.generate import option_value, parse_options
 from jaxspec.errors import OptionError
 from jaxspec.io import places
@@ -123,6 +124,48 @@ def test_one_prompt_is_streamed_as_accepted(ckpt, model, monkeypatch, capsys):
     want = jaxspec.generate(model, "w3 w4 w5", max_new_tokens=6).text[0]
     assert code == 0 and out == want + "\n"
     assert len([w for w in writes if w.strip()]) >= 3  # piece by piece, not the answer at once
+
+
+def test_exact_runs_the_invariant_numerics_and_equals_autoregressive(ckpt, monkeypatch, capsys):
+    seen = []
+    real = cli_generate.stream
+
+    def spy(target, *a, **k):
+        seen.append(target.kernels.invariant)
+        return real(target, *a, **k)
+
+    monkeypatch.setattr(cli_generate, "stream", spy)
+    argv = ["generate", "w3 w4 w5", "--model", str(ckpt), *ARGS, "--dtype", "bfloat16"]
+    code, out, _ = _run([*argv, "--method", "chain", "--draft", "ngram", "--exact"], capsys)
+    bf16 = jaxspec.load(ckpt, dtype="bfloat16")
+    want = jaxspec.generate(
+        bf16, "w3 w4 w5", max_new_tokens=6, kernels=jaxspec.KernelConfig(invariant=True)
+    ).text[0]
+    assert code == 0 and out == want + "\n" and seen == [True]
+    code, _, _ = _run(argv, capsys)  # without --exact: the default numerics
+    assert code == 0 and seen == [True, False]
+
+
+@pytest.mark.parametrize(
+    "flags,refused",
+    [
+        ("--xla_gpu_deterministic_ops", True),
+        ("--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=true", True),
+        ("--xla_gpu_deterministic_ops=1", True),
+        ("--xla_gpu_deterministic_ops=false", False),
+        ("--xla_force_host_platform_device_count=2", False),
+        ("", False),
+    ],
+)
+def test_xla_flags_that_make_wrong_tokens_are_refused(flags, refused, ckpt, monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.setattr(cli.env, "load_target", lambda args: pytest.fail("loaded a model"))
+    if refused:
+        code, out, err = _run(["generate", "w3", "--model", str(ckpt), *ARGS], capsys)
+        assert code == 2 and out == ""
+        assert "XLA_FLAGS sets --xla_gpu_deterministic_ops" in err and "--exact" in err
+    else:
+        cli.env.check_xla_flags(flags)  # no error
 
 
 def test_version(capsys):

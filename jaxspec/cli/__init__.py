@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command != "convert":  # a bad kernel setting fails before any work
-            args.kernels = env.kernels()
+            args.kernels = env.kernels(getattr(args, "exact", False))
             env.use_compile_cache(getattr(args, "compile_cache", True))
         env.check_before_work(args)
         argv = sys.argv[1:] if argv is None else list(argv)

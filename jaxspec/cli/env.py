@@ -5,6 +5,7 @@ messages on stderr while the user waits."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import os
@@ -68,10 +69,12 @@ def use_compile_cache(enabled: bool) -> pathlib.Path | None:
     return folder
 
 
-def kernels() -> KernelConfig:
+def kernels(exact: bool = False) -> KernelConfig:
     """The kernel configuration the ``JAXSPEC_*`` variables set (``KernelConfig.from_env``):
-    read once per command, here and in the benchmark scripts only."""
-    return KernelConfig.from_env()
+    read once per command, here and in the benchmark scripts only; ``exact`` (``--exact``)
+    turns on the invariant numerics."""
+    k = KernelConfig.from_env()
+    return dataclasses.replace(k, invariant=True) if exact else k
 
 
 def dtype_name(name: str) -> str:
@@ -155,9 +158,32 @@ def auto_method(args, target, draft, options: dict):
     return "autoregressive", None
 
 
+# XLA options that make the engines' programs compute wrong tokens, and why
+UNSAFE_XLA_FLAGS = {
+    "xla_gpu_deterministic_ops": (
+        "under it XLA rewrites scatters, and the rewrite lost updates of the engines' drop-mode "
+        "writes on an H200 (jax 0.11.2): a tree verify emitted its root token again in place "
+        "of the accepted child (benchmarks/notes/bit_exact.md)"
+    ),
+}
+
+
+def check_xla_flags(flags: str) -> None:
+    """Refuse an ``XLA_FLAGS`` value that turns on an option of ``UNSAFE_XLA_FLAGS``."""
+    for word in flags.split():
+        name, _, value = word.lstrip("-").partition("=")
+        if name in UNSAFE_XLA_FLAGS and value.lower() not in ("false", "0"):
+            raise OptionError(
+                f"XLA_FLAGS sets --{name}: {UNSAFE_XLA_FLAGS[name]}. Remove it from XLA_FLAGS; "
+                "for output equal to autoregressive decoding bit for bit, pass --exact instead."
+            )
+
+
 def check_before_work(args) -> None:
-    """What can be refused before a model loads: an --out that cannot be written (bench writes
-    a file, distill a folder) and a --draft that is neither a folder nor a known kind."""
+    """What can be refused before a model loads: XLA options that make wrong tokens
+    (``check_xla_flags``), an --out that cannot be written (bench writes a file, distill a
+    folder) and a --draft that is neither a folder nor a known kind."""
+    check_xla_flags(os.environ.get("XLA_FLAGS", ""))
     if getattr(args, "out", None) is not None:
         check_output_path(args.out, "--out", folder=args.command == "distill")
     draft = getattr(args, "draft", None)

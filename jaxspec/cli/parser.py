@@ -74,6 +74,17 @@ def _add_model_args(p: argparse.ArgumentParser, *, flag: str = "--model") -> Non
     )
 
 
+def _add_exact(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="invariant numerics (KernelConfig(invariant=True)): a row's result does not depend "
+        "on the other rows of its step, so speculative output equals autoregressive output bit "
+        "for bit in bfloat16 too; slower (0.02-0.06x the default tokens/s at batch 16 on an "
+        "H200: benchmarks/RESULTS.md, bit_exact)",
+    )
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
@@ -161,6 +172,7 @@ def _generate(sub) -> None:
     )
     _add_model_args(g)
     _add_generation_args(g)
+    _add_exact(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     launch.add_job_args(g)
 
@@ -175,6 +187,7 @@ def _bench(sub) -> None:
         "counts), with device, jax version, commit and command.",
     )
     _add_model_args(b)
+    _add_exact(b)
     b.add_argument(
         "--methods",
         default="autoregressive,chain,tree",
@@ -226,6 +239,7 @@ def _profile(sub) -> None:
         "'swiftspec' runs this itself when its options leave the split or depth open.",
     )
     _add_model_args(pr)
+    _add_exact(pr)
     pr.add_argument(
         "--draft",
         required=True,
