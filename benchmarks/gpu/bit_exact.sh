@@ -12,8 +12,7 @@
 # Three at once (e1a6bd0, 1B, batch 1) did the --ar-only process and the ten runs in 327 s, but
 # the invariant tokens/s fell up to 10x (chain + prompt lookup 25.9 against 256.6 alone at
 # deee11b, with 32 new tokens); four at batch 16 on SmolLM2 took 100-250 s a run and finished
-# three of the ten in 560 s. Writes
-# $OUT/bit_exact_<model>.json; join the calls' files with
+# three of the ten in 560 s. Writes $OUT/bit_exact_<model>.json; join the calls' files with
 # `python benchmarks/bench_bit_exact.py --merge A.json B.json --out ...`.
 set -u
 source benchmarks/gpu/env.sh
