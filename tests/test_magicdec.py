@@ -3,7 +3,10 @@ model against hand-computed numbers, and the engine's greedy output against auto
 decoding for ragged batches, prompts shorter and longer than the budget, and per-row EOS."""
 
 import dataclasses
+import functools
 import re
+import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -335,6 +338,7 @@ def test_magicdec_auto_gamma(monkeypatch):
 def test_cost_model_plans_and_the_line_of_t_v():
     cpu = cost_model.plan((1, 2, 4), "cpu")
     assert (cpu.timed, cpu.t_t, cpu.alpha_gamma, cpu.on_call) == ((1, 4), None, 1, True)
+    assert cpu.t_v_from_loop and not cost_model.Plan().t_v_from_loop
     assert cost_model.plan((1, 2), "cpu").timed == (1, 2)
     gpu = cost_model.plan(range(1, 9), "gpu")  # a GPU times every term, T_T the AR step
     assert gpu == cost_model.Plan() and gpu.timed is None and gpu.t_t == "autoregressive"
@@ -343,6 +347,25 @@ def test_cost_model_plans_and_the_line_of_t_v():
     }  # fmt: skip
     with pytest.raises(ValueError, match="outside"):
         cost_model.interpolate({1: 40.0, 4: 55.0}, (1, 4, 5))
+
+
+def test_a_loop_iteration_is_timed_over_the_iterations_it_ran():
+    """``_iteration_ms``: (3 iterations - 1) / 2 from fresh copies of the state, whatever one
+    call costs besides; None when no iteration ran between them (every row done)."""
+    calls = []
+
+    def seg(tflat, dflat, state, limit, per_ms=20.0, base_ms=60.0, stop_at=99):
+        ran = min(int(limit), stop_at)
+        calls.append(np.asarray(state).copy())
+        time.sleep((base_ms + per_ms * ran) / 1e3)
+        return state, types.SimpleNamespace(steps=np.int32(ran))
+
+    state = np.arange(3, dtype=np.float32)
+    ms = cost_model._iteration_ms(seg, None, None, state)
+    assert 15.0 < ms < 30.0  # 20 ms an iteration; the 60 ms a call cancels (3 calls: 40)
+    assert all((c == state).all() for c in calls)  # each from a copy of the state
+    done = functools.partial(seg, stop_at=1)
+    assert cost_model._iteration_ms(done, None, None, state) is None
 
 
 def _compiles(monkeypatch) -> list[str]:
@@ -361,11 +384,12 @@ def _compiles(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streamed):
-    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles five programs: the call's own loop at
-    gamma 1, where alpha is measured (a streamed call: its prefill, whose state the units are
-    timed on, and its segment; a call of at most 32 tokens: the whole loop, and a prefill for the
-    units), T_D, and T_V at gamma 1 and 4 (T_V(2) is read off their line, and the stats say so);
-    no T_T. The run at gamma 1 then finds its programs compiled."""
+    """gamma="auto" on a CPU (candidates 1, 2, 4) compiles the call's own loop at gamma 1, where
+    alpha is measured, T_D and T_V at gamma 4; T_V(1) is one iteration of that loop less a T_D
+    when the call is streamed (its prefill, whose state the units are timed on, and its segment:
+    four programs), else a unit of its own (a call of at most 32 tokens: the whole loop, a
+    prefill for the units and three units: five). T_V(2) is read off the line (the stats say
+    so); no T_T. The run at gamma 1 then finds its programs compiled."""
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
     ref = reference(target, ps)
@@ -380,11 +404,10 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
         return s.result
 
     r = run()
-    looped = ["_looped"] * 3
     if streamed:
-        assert sorted(names) == sorted(["_stream_init", *looped, "_stream_segment"])
+        assert sorted(names) == sorted(["_stream_init", "_looped", "_looped", "_stream_segment"])
     else:
-        assert sorted(names) == sorted(["_init", "decode", *looped])
+        assert sorted(names) == sorted(["_init", "decode", *["_looped"] * 3])
     assert r.tokens == ref and r.stats["gamma"] == 1 and r.stats["compile_s"] == 0.0
     cm = r.stats["cost_model"]
     assert cm["t_v_interpolated"] == [2] and cm["t_t_ms"] is None
@@ -394,7 +417,7 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     assert cm["best_gamma"] in (1, 2, 4) and cm["loop_compile_s"] > 0
     again = run()  # the profile kept: the same gamma, nothing compiled
     assert again.stats["gamma"] == 1 and again.stats["compile_s"] == 0.0 and again.tokens == ref
-    assert len(names) == 5
+    assert len(names) == (4 if streamed else 5)
 
 
 def test_magicdec_auto_with_a_gpus_plan_times_every_term(monkeypatch):

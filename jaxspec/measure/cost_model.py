@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import time
 from collections.abc import Callable, Iterable
 
 import jax
@@ -261,7 +262,10 @@ class Plan:
     compiled at once (``programs.compile_all``). ``on_call``: the units timed on the call's own
     prefill (the alpha run's, its caches moved on towards ``prefix`` as far as they hold the
     largest verify) instead of on random prompts of ``prefix`` tokens: one prefill program
-    fewer."""
+    fewer. ``t_v_from_loop``: T_V at ``alpha_gamma`` is one iteration of the alpha run's own
+    streamed loop (its segment program, timed from copies of its prefill's state) less
+    ``alpha_gamma`` draft steps, not a unit of its own: one program fewer (the iteration's
+    acceptance and cache commit count in that T_V, a few percent of a verify)."""
 
     timed: tuple[int, ...] | None = None
     t_t: str | None = "autoregressive"
@@ -271,6 +275,7 @@ class Plan:
     alpha_gamma: int | None = None
     workers: int = 1
     on_call: bool = False
+    t_v_from_loop: bool = False
 
 
 def plan(gammas, backend: str | None = None) -> Plan:
@@ -278,8 +283,9 @@ def plan(gammas, backend: str | None = None) -> Plan:
 
     A CPU, where each program costs seconds of compiling (SmolLM2-135M on 2 cores: 2.3-3.1 s
     a unit, 5-7 s the loop's segment; the whole measuring took 47-50 s), compiles fewer and
-    times less (16 s there, the run then compiling nothing); measured there at batch 1, prefix
-    64 (medians of 7 interleaved rounds):
+    times less (12-17 s there with the self-streaming draft, the run then compiling nothing:
+    benchmarks/results/warm_start_cpu.json); measured there at batch 1, prefix 64 (medians of
+    7 interleaved rounds):
 
     - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
       31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
@@ -288,8 +294,15 @@ def plan(gammas, backend: str | None = None) -> Plan:
       programs took 8.0 s of compiling), cost about 5 s of compile CPU; it is no point of T_V's
       line (31.0 there at gamma 0): one token runs as matrix-vector work.
     - The units run on the call's own prefill (``Plan.on_call``): one prefill program fewer.
-    - Each unit is timed in 3 interleaved rounds of 4 steps (the first round runs slow: a
-      program's first calls), not 5 x 8 steps in a row: 3 s for the three units.
+    - T_V at the smallest gamma is one iteration of the call's own loop less a T_D
+      (``Plan.t_v_from_loop``; a call that is not streamed times a unit instead): three
+      programs to compile instead of four. Interleaved with the code before it (3 rounds each),
+      the measuring took 15.6-18.2 s against 18.8-20.3 s, the compiling 8.4-9.2 s against
+      10.2-11.8 s.
+    - Each unit is timed in 2 interleaved rounds of 4 steps (the median of the two), not 5 x
+      8 steps in a row: 2.3-2.7 s for the three timings where 3 rounds took 3.6-4.0 s. Their
+      precision hardly matters here: ``_choice`` keeps the measuring call's gamma unless
+      another repays its compile, which on a CPU it did not.
     - Alpha is measured at the smallest gamma, on the call's own program, where ``_choice``
       keeps the measuring call unless another gamma repays its compile.
     - The programs compile on every core (up to 8): five of them took 16.2 s on two threads,
@@ -301,8 +314,8 @@ def plan(gammas, backend: str | None = None) -> Plan:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = max(1, min(cores or 1, 8))
     return Plan(
-        timed=timed, t_t=None, reps=1, steps=4, rounds=3, alpha_gamma=g[0], workers=workers,
-        on_call=True,
+        timed=timed, t_t=None, reps=1, steps=4, rounds=2, alpha_gamma=g[0], workers=workers,
+        on_call=True, t_v_from_loop=True,
     )  # fmt: skip
 
 
@@ -437,7 +450,11 @@ def measure(
     one = dataclasses.replace(first, gamma=1)
     propose = chain.ENGINE.units(one)["draft"]
     timings["T_D"] = (f"one {type(d).__name__} draft step", propose, one, state, None)
+    # T_V at the alpha gamma from the alpha run's own loop (Plan.t_v_from_loop)
+    from_loop = plan.t_v_from_loop and not whole and alpha_gamma in timed
     for g in timed:
+        if from_loop and g == alpha_gamma:
+            continue
         prog = first if plan.on_call else chain_prog(g)
         verify = chain.ENGINE.units(prog)["verify"]
         what = f"one target verify of {g + 1} tokens"
@@ -452,8 +469,13 @@ def measure(
     loop_s += 0.0 if whole else seconds[-1]
 
     rounds = {name: [] for name in timings}
+    loop_name = f"one iteration of the alpha run's loop at gamma {alpha_gamma}"
+    if from_loop:
+        seg = jobs[-1].compiled()[0]
+        rounds["loop"] = []
+    names = [*timings, *(["the alpha run's loop"] if from_loop else [])]
     if plan.rounds > 1:
-        say(f"timing {', '.join(timings)} in {plan.rounds} interleaved rounds (batch {batch}, "
+        say(f"timing {', '.join(names)} in {plan.rounds} interleaved rounds (batch {batch}, "
             f"{context} cached tokens)")  # fmt: skip
     for _ in range(plan.rounds):
         for name, (what, u, p, st, aux) in timings.items():
@@ -463,7 +485,23 @@ def measure(
             rounds[name].append(
                 units.unit_ms(u, p, tw.flat, pflat, st, reps=plan.reps, steps=plan.steps, aux=aux)
             )
-    measured = {name: statistics.median(ts) for name, ts in rounds.items()}
+        if from_loop:
+            if plan.rounds == 1:
+                say(f"timing {loop_name} (batch {batch}, {context} cached tokens)")
+            rounds["loop"].append(_iteration_ms(seg, tw.flat, dflat, run_state[0]))
+    measured = {name: statistics.median(ts) for name, ts in rounds.items() if None not in ts}
+    if from_loop and "loop" in measured:
+        t_v_loop = max(measured.pop("loop") - alpha_gamma * measured["T_D"], 1e-3)
+        measured[f"T_V(gamma={alpha_gamma})"] = t_v_loop
+        say(f"T_V(gamma={alpha_gamma}) = {loop_name} less {alpha_gamma} T_D")
+    elif from_loop:  # the loop ended at once (every row done): a unit of its own after all
+        measured.pop("loop", None)
+        verify = chain.ENGINE.units(first)["verify"]
+        measured[f"T_V(gamma={alpha_gamma})"] = statistics.median(
+            units.unit_ms(verify, first, tw.flat, dflat, state, reps=plan.reps,
+                          steps=plan.steps, aux=_zeros(batch, alpha_gamma))
+            for _ in range(plan.rounds)
+        )  # fmt: skip
     t_v = {g: measured[f"T_V(gamma={g})"] for g in timed}
     interpolated = tuple(g for g in gammas if g not in t_v)
     if interpolated:
@@ -484,6 +522,24 @@ def measure(
         slowest, interpolated=interpolated,
         loop_compile_s=loop_s if own else None,
     )  # fmt: skip
+
+
+def _iteration_ms(seg, tflat, dflat, state) -> float | None:
+    """Milliseconds of one iteration of a streamed loop's ``seg`` program, run from fresh copies
+    of ``state`` (a loop's prefill state, which stays valid) for 1 and then 3 iterations: the
+    difference over the iterations run (``Out.steps``), so the call's own cost cancels. None
+    when no iteration ran between them (every row done)."""
+    import jax.numpy as jnp
+
+    def timed(limit: int) -> tuple[float, int]:
+        st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        t0 = time.perf_counter()
+        _, out = seg(tflat, dflat, st, np.int32(limit))
+        steps = int(jax.device_get(out.steps))
+        return time.perf_counter() - t0, steps
+
+    (t1, s1), (t3, s3) = timed(1), timed(3)
+    return None if s3 <= s1 else (t3 - t1) / (s3 - s1) * 1e3
 
 
 def _zeros(batch: int, g: int):
