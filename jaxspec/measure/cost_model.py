@@ -283,9 +283,9 @@ def plan(gammas, backend: str | None = None) -> Plan:
 
     A CPU, where each program costs seconds of compiling (SmolLM2-135M on 2 cores: 2.3-3.1 s
     a unit, 5-7 s the loop's segment; the whole measuring took 47-50 s), compiles fewer and
-    times less (12-17 s there with the self-streaming draft, the run then compiling nothing:
-    benchmarks/results/warm_start_cpu.json); measured there at batch 1, prefix 64 (medians of
-    7 interleaved rounds):
+    times less (11.3-16.2 s there, median 13.9 s over five first runs with the self-streaming
+    draft, the run then compiling nothing: benchmarks/results/warm_start_cpu.json); measured
+    there at batch 1, prefix 64 (medians of 7 interleaved rounds):
 
     - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
       31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
