@@ -420,6 +420,23 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     assert len(names) == (4 if streamed else 5)
 
 
+def test_magicdec_auto_times_t_v_as_a_unit_when_its_loop_ran_no_iteration(monkeypatch):
+    """When the loop's timing finds no iteration to time (every row done at once), T_V at the
+    alpha gamma is a unit of its own, compiled then; the output stays exactly greedy."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
+    monkeypatch.setattr(cost_model, "_iteration_ms", lambda *a: None)
+    target, ps = tiny.model(6), tiny.prompts(6, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    s = api.stream(
+        target, ps, draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET
+    )
+    list(s)
+    cm = s.result.stats["cost_model"]
+    assert s.result.tokens == ref and set(cm["t_v_ms"]) == {1, 2, 4}
+    assert sorted(names) == sorted(["_stream_init", "_stream_segment", *["_looped"] * 3])
+
+
 def test_magicdec_auto_with_a_gpus_plan_times_every_term(monkeypatch):
     """A GPU's plan (run here on the CPU) times T_T (the autoregressive step), T_D and T_V at
     every candidate on random prompts of the bucket, and measures alpha at the middle gamma on

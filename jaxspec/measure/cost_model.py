@@ -496,9 +496,10 @@ def measure(
         say(f"T_V(gamma={alpha_gamma}) = {loop_name} less {alpha_gamma} T_D")
     elif from_loop:  # the loop ended at once (every row done): a unit of its own after all
         measured.pop("loop", None)
-        verify = chain.ENGINE.units(first)["verify"]
+        prog = first if plan.on_call else chain_prog(alpha_gamma)
+        verify = chain.ENGINE.units(prog)["verify"]
         measured[f"T_V(gamma={alpha_gamma})"] = statistics.median(
-            units.unit_ms(verify, first, tw.flat, dflat, state, reps=plan.reps,
+            units.unit_ms(verify, prog, tw.flat, dflat, state, reps=plan.reps,
                           steps=plan.steps, aux=_zeros(batch, alpha_gamma))
             for _ in range(plan.rounds)
         )  # fmt: skip
