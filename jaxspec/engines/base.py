@@ -42,7 +42,7 @@ from jaxtyping import Array, Bool, Int
 from jaxspec import distributed
 from jaxspec.engines.programs import Job, Timer, shapes_key
 from jaxspec.errors import OptionError
-from jaxspec.kernels import KernelConfig
+from jaxspec.kernels import COMMAND_BUFFER, KernelConfig
 from jaxspec.model.kv_cache import init_cache
 from jaxspec.model.prefill import prefill
 from jaxspec.model.transformer import Model, Net, Weights
@@ -469,10 +469,7 @@ STREAM_STEPS = {"gpu": 16, "cpu": 1}
 # left the device idle for the launch and the thread's work (on an H200, SmolLM2 shape: a launch
 # on a finished state 0.96-1.4 ms, then 0.8-1.9 ms between launches). In a command buffer (a
 # CUDA graph with conditional nodes) the loop runs on the device and the launch returns at once.
-# A program's options take the whole list of command kinds ("+WHILE" is XLA_FLAGS' syntax only):
-# those a step launches (fusions, GEMMs, the Pallas kernels' custom calls) and the two loops.
-_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-STREAM_XLA_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": _COMMANDS}}
+STREAM_XLA_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": COMMAND_BUFFER}}
 
 
 def stream_steps(steps=None) -> int:
