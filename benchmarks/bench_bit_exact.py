@@ -182,14 +182,21 @@ def first_parted(tokens, ref) -> list[dict]:
 def merged(paths: list[str]) -> dict:
     """One payload of several outputs (processes that split the runs between them, or calls of
     other models or commits): the first one's metadata, each row with its part's commit and
-    date, the rows by model, batch 16 before batch 1, then in ``RUNS`` order."""
+    date, the rows by model, batch 16 before batch 1, then in ``RUNS`` order. A row measured
+    again (same model, batch, method and draft) keeps the later part's measurement: list the
+    parts oldest first."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     order = {r[:2]: i for i, r in enumerate(RUNS)}
-    rows = [
-        {**r, "commit": r.get("commit", p["commit"]), "date": r.get("date", p["date"])}
+    latest = {
+        (r["model"], r["batch"], r["method"], r["draft"]): {
+            **r,
+            "commit": r.get("commit", p["commit"]),
+            "date": r.get("date", p["date"]),
+        }
         for p in parts
         for r in p["rows"]
-    ]
+    }
+    rows = list(latest.values())
     rows.sort(key=lambda r: (r["model"], -r["batch"], order[(r["method"], r["draft"])]))
     commands = sorted({c for p in parts for c in p.get("commands", [p["command"]])})
     models = sorted({r["model"] for r in rows})

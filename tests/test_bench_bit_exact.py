@@ -41,3 +41,13 @@ def test_merge_keeps_each_rows_commit_and_date_and_orders_the_rows(tmp_path):
     assert "call 1" in out["commands"] and any("(b)" in c for c in out["commands"])
     one = merged([b])
     assert one["commit"] == "bbb" and one["model"] == "1b"
+
+
+def test_merge_keeps_the_later_measurement_of_a_row(tmp_path):
+    old = _part(
+        tmp_path, "old", "aaa", "2026-12-03", "1b", [("chain", "ngram"), ("tree", "model")], 1
+    )
+    new = _part(tmp_path, "new", "bbb", "2026-12-04", "1b", [("chain", "ngram")], 1)
+    out = merged([old, new])
+    keys = [(r["method"], r["draft"], r["commit"]) for r in out["rows"]]
+    assert keys == [("chain", "ngram", "bbb"), ("tree", "model", "aaa")]

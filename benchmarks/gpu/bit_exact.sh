@@ -5,14 +5,13 @@
 # (bench_bit_exact.py --runs; default every one); BATCHES default 16,1. A first process writes
 # its autoregressive tokens (--ar-only; SmolLM2 at batches 16 and 1 takes over 150 s, most of it
 # compiling); the second decodes the runs and compares with its own autoregressive tokens and with
-# the first process's. One run of the 1B shape at batch 16 takes 33-53 s (both numerics, compiles
-# included; 9684ca9), so a call holds about five runs of one batch after the --ar-only process:
-# split the ten over two calls. One process at a time: processes that share the GPU time-slice
-# it, and the invariant programs' many small kernels and loop syncs wait for the others' slices.
-# Three at once (e1a6bd0, 1B, batch 1) did the --ar-only process and the ten runs in 327 s, but
-# the invariant tokens/s fell up to 10x (chain + prompt lookup 25.9 against 256.6 alone at
-# deee11b, with 32 new tokens); four at batch 16 on SmolLM2 took 100-250 s a run and finished
-# three of the ten in 560 s. Writes $OUT/bit_exact_<model>.json; join the calls' files with
+# the first process's. At 3f166ea (invariant loops in command buffers) a SmolLM2 run at batch 16
+# took 41-70 s, both numerics, compiles included: one call held the --ar-only process and nine
+# runs; a 1B-shape run at batch 1 took 35-73 s (compile-bound), five or six a call. Split the
+# ten over two calls on one warm machine: the second reuses the first's autoregressive tokens.
+# One process at a time: processes that share the GPU time-slice it, and the invariant
+# programs' many small kernels wait for the others' slices (three at once, e1a6bd0, cut the
+# invariant tokens/s up to 10x). Writes $OUT/bit_exact_<model>.json; join the calls' files with
 # `python benchmarks/bench_bit_exact.py --merge A.json B.json --out ...`.
 set -u
 source benchmarks/gpu/env.sh
