@@ -257,8 +257,8 @@ def test_draft_step_costs_the_budget_not_the_context():
 # ------------------------------------------------------------------------------- engine
 
 
-def reference(target, ps):
-    return generate(target, ps, max_new_tokens=NEW).tokens
+def reference(target, ps, new=NEW):
+    return generate(target, ps, max_new_tokens=new).tokens
 
 
 def eos_target(seed, ps):
@@ -318,8 +318,15 @@ def test_magicdec_snapkv_batch_sizes(lengths):
         assert r.tokens == reference(target, ps), seed
 
 
+def _long_call(monkeypatch) -> None:
+    """Every call counts as long enough for another gamma to repay its compile: the CPU's plan
+    then times T_D and T_V (a tiny model's calls never are: its tokens take microseconds)."""
+    monkeypatch.setattr(cost_model.Measurement, "settles", lambda self, tokens: False)
+
+
 def test_magicdec_auto_gamma(monkeypatch):
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (2, 3))
+    _long_call(monkeypatch)
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
     r = generate(
         target, ps, draft=target, sparse="dense", method="magicdec", shape="chain",
@@ -389,8 +396,10 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     when the call is streamed (its prefill, whose state the units are timed on, and its segment:
     four programs), else a unit of its own (a call of at most 32 tokens: the whole loop, a
     prefill for the units and three units: five). T_V(2) is read off the line (the stats say
-    so); no T_T. The run at gamma 1 then finds its programs compiled."""
+    so); no T_T. The run at gamma 1 then finds its programs compiled. (A call long enough
+    for another gamma to repay its compile: a shorter one times no unit, below.)"""
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
+    _long_call(monkeypatch)
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
     ref = reference(target, ps)
     names = _compiles(monkeypatch)
@@ -420,11 +429,67 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     assert len(names) == (4 if streamed else 5)
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_magicdec_auto_on_a_cpu_times_no_unit_for_a_call_too_short_to_repay_a_compile(
+    monkeypatch, streamed
+):
+    """A call whose tokens take less time at the alpha gamma than another gamma's loop takes to
+    compile runs at the alpha gamma whatever T_D and T_V are: the CPU's plan compiles only the
+    call's own loop (streamed: its prefill and segment; else the whole loop), measures alpha on
+    it and times no unit. The kept profile serves another short call as it is; a long call
+    measures the units then, and keeps them. Every output is exactly greedy."""
+    monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
+    target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
+    ref = reference(target, ps)
+    names = _compiles(monkeypatch)
+    # a length of its own: programs of the other tests' shapes would compile from JAX's
+    # in-process cache in no time, and a loop that compiles in no time settles nothing
+    new = NEW + 3
+    opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=new, budget=BUDGET)
+
+    def run():
+        if not streamed:
+            return generate(target, ps, **opts)
+        s = api.stream(target, ps, **opts)
+        assert list(s)
+        return s.result
+
+    ref = reference(target, ps, new)
+    names.clear()
+    r = run()
+    assert sorted(names) == (["_stream_init", "_stream_segment"] if streamed else ["decode"])
+    cm = r.stats["cost_model"]
+    assert r.tokens == ref and r.stats["gamma"] == 1 and r.stats["compile_s"] == 0.0
+    assert not cm["units_timed"] and cm["t_d_ms"] is None and cm["t_v_ms"] == {}
+    assert cm["best_gamma"] is None and 0 < cm["alpha"] <= 1
+    assert 0 < cm["own_token_ms"] * new / 1e3 <= cm["loop_compile_s"]
+    again = run()
+    assert again.tokens == ref and again.stats["gamma"] == 1 and len(names) == len(set(names))
+    _long_call(monkeypatch)
+    long = run()
+    cm = long.stats["cost_model"]
+    assert long.tokens == ref and long.stats["gamma"] == 1
+    assert cm["units_timed"] and cm["t_d_ms"] > 0 and set(cm["t_v_ms"]) == {1, 2, 4}
+    assert names.count("_looped") == (2 if streamed else 3)  # T_D, T_V(4) (not streamed: T_V(1))
+
+
+def test_a_measurement_settles_a_call_no_other_gamma_can_repay():
+    m = cost_model.Measurement(1, 64, None, None, {}, 1.0, 1, 2.0, loop_compile_s=6.0,
+                               own_token_ms=30.0)  # fmt: skip
+    assert m.settles(200) and not m.settles(201)  # 200 x 30 ms = 6 s: nothing can save more
+    assert not m.settles(None) and not dataclasses.replace(m, own_token_ms=None).settles(10)
+    assert not m.timed_units
+    _, chosen = cost_model._choice(magicdec.Options(shape="chain"), m, None, 100)
+    assert chosen["chosen"] == {"shape": "chain", "gamma": 1}
+    assert chosen["stats"]["cost_model"]["best_gamma"] is None
+
+
 def test_magicdec_auto_times_t_v_as_a_unit_when_its_loop_ran_no_iteration(monkeypatch):
     """When the loop's timing finds no iteration to time (every row done at once), T_V at the
     alpha gamma is a unit of its own, compiled then; the output stays exactly greedy."""
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
     monkeypatch.setattr(cost_model, "_iteration_ms", lambda *a: None)
+    _long_call(monkeypatch)
     target, ps = tiny.model(6), tiny.prompts(6, lengths=(30, 12))
     ref = reference(target, ps)
     names = _compiles(monkeypatch)

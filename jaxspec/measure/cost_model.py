@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
@@ -155,8 +156,8 @@ class Measurement:
     batch: int
     prefix: int
     t_t: float | None  # ms, one autoregressive target step (None: not timed, ``Plan.t_t``)
-    t_d: float  # ms, one draft step
-    t_v: dict[int, float]  # gamma -> ms, one verify of gamma + 1 tokens
+    t_d: float | None  # ms, one draft step (None: units not timed, ``Plan.units_if_they_pay``)
+    t_v: dict[int, float]  # gamma -> ms, one verify of gamma + 1 tokens (empty: not timed)
     alpha: float
     alpha_gamma: int
     acceptance_length: float
@@ -165,6 +166,23 @@ class Measurement:
     # seconds the measuring call's own loop at alpha_gamma took to compile (the alpha run's
     # programs; None: the alpha run had programs of its own)
     loop_compile_s: float | None = None
+    # ms a token of the measuring call's own loop at alpha_gamma, as its alpha run went (its
+    # wall over its iterations, over the slowest row's tokens an iteration); None: not timed
+    own_token_ms: float | None = None
+
+    @property
+    def timed_units(self) -> bool:
+        """Whether T_D and T_V were timed (else only alpha and the call's own loop were)."""
+        return self.t_d is not None
+
+    def settles(self, tokens: int | None) -> bool:
+        """Whether a call of ``tokens`` new tokens runs at ``alpha_gamma`` whatever T_D and T_V
+        are: it would take ``own_token_ms`` a token there, and no gamma can save more than all
+        of that, which is no more than compiling another gamma's loop costs
+        (``loop_compile_s``, the seconds ``alpha_gamma``'s took)."""
+        if tokens is None or self.own_token_ms is None or self.loop_compile_s is None:
+            return False
+        return tokens * self.own_token_ms / 1e3 <= self.loop_compile_s
 
     @property
     def batch_alpha(self) -> float:
@@ -229,8 +247,23 @@ def _timed(engine, prog, tw, dw, ids, lens, unit: str, reps: int) -> float:
 
 def _short_run(engine, prog, target, dw, ids, lens):
     """A short greedy run's (mean tokens per verification, slowest row's)."""
-    out, _, _ = base.on_device(engine.decode, prog, target.weights, dw, ids, lens, 0)
-    return _lengths(out)
+    return _run(engine, prog, target, dw, ids, lens)[:2]
+
+
+def _run(engine, prog, target, dw, ids, lens) -> tuple[float, float, float]:
+    """A greedy run's ``_lengths`` and its ms a token (``_token_ms``), the prefill included."""
+    out, wall, _ = base.on_device(engine.decode, prog, target.weights, dw, ids, lens, 0)
+    return (*_lengths(out), _token_ms(wall, out))
+
+
+def _token_ms(wall_s: float, out) -> float:
+    """Milliseconds a token of a loop that took ``wall_s`` for its ``Out``'s iterations: the
+    time an iteration over the slowest row's tokens an iteration (the batch waits for it).
+    0 when no iteration ran (every row done at its prefill)."""
+    steps = int(np.asarray(out.steps))
+    if steps == 0:
+        return 0.0
+    return wall_s * 1e3 / steps / slowest_row_length(out.emitted, out.live_steps)
 
 
 def _lengths(out) -> tuple[float, float]:
@@ -265,7 +298,12 @@ class Plan:
     fewer. ``t_v_from_loop``: T_V at ``alpha_gamma`` is one iteration of the alpha run's own
     streamed loop (its segment program, timed from copies of its prefill's state) less
     ``alpha_gamma`` draft steps, not a unit of its own: one program fewer (the iteration's
-    acceptance and cache commit count in that T_V, a few percent of a verify)."""
+    acceptance and cache commit count in that T_V, a few percent of a verify).
+    ``units_if_they_pay``: when the alpha run is the call's own loop, it runs first, on its
+    own two programs, and T_D and T_V are compiled and timed only when the call is long
+    enough for another gamma to repay the compile of its loop (``Measurement.settles``): a
+    short call runs at ``alpha_gamma`` whatever they are, so timing them would only delay
+    it."""
 
     timed: tuple[int, ...] | None = None
     t_t: str | None = "autoregressive"
@@ -276,6 +314,7 @@ class Plan:
     workers: int = 1
     on_call: bool = False
     t_v_from_loop: bool = False
+    units_if_they_pay: bool = False
 
 
 def plan(gammas, backend: str | None = None) -> Plan:
@@ -315,7 +354,7 @@ def plan(gammas, backend: str | None = None) -> Plan:
     workers = max(1, min(cores or 1, 8))
     return Plan(
         timed=timed, t_t=None, reps=1, steps=4, rounds=2, alpha_gamma=g[0], workers=workers,
-        on_call=True, t_v_from_loop=True,
+        on_call=True, t_v_from_loop=True, units_if_they_pay=True,
     )  # fmt: skip
 
 
@@ -412,6 +451,34 @@ def measure(
         if whole
         else base.stream_init_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0)
     )
+    loop_s, run_state, early = 0.0, None, None
+    if plan.units_if_they_pay and own:  # the alpha run first, on the call's own programs
+        loop_s = programs.compile_all([run_init], progress=say)[0]
+        if not whole:
+            run_state = run_init.compiled()[0](*run_init.args)
+            seg = base.segment_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0, run_state[0])
+            loop_s += programs.compile_all([seg], progress=say)[0]
+        say(f"measuring alpha: up to {alpha_tokens} tokens of a greedy chain run at gamma "
+            f"{alpha_gamma} (the call's own program)")  # fmt: skip
+        if whole:
+            early = _run(chain.ENGINE, run_prog, target, dw, ids, lens)
+        else:
+            copy = (jax.tree.map(jnp.copy, run_state[0]), run_state[1])  # the units' state stays
+            early = _first_tokens(run_prog, target, dw, ids, lens, copy, alpha_tokens)
+        length, slowest, own_ms = early
+        m = Measurement(
+            batch, prefix, None, None, {}, alpha_from_acceptance_length(length, alpha_gamma),
+            alpha_gamma, length, slowest, loop_compile_s=loop_s, own_token_ms=own_ms,
+        )  # fmt: skip
+        call_s = areq.max_new * own_ms / 1e3
+        if m.settles(areq.max_new):
+            say(f"T_D and T_V not timed: the call's {areq.max_new} tokens take about "
+                f"{call_s:.1f} s at gamma {alpha_gamma}, no more than another gamma's loop "
+                f"would take to compile ({loop_s:.1f} s)")  # fmt: skip
+            return m
+        say(f"the call's {areq.max_new} tokens take about {call_s:.1f} s at gamma "
+            f"{alpha_gamma}, more than another gamma's loop takes to compile ({loop_s:.1f} s): "
+            "timing T_D and T_V")  # fmt: skip
     if plan.on_call:  # the units' state: the call's prefill, its caches moved on towards prefix
         first, unit_ids, unit_lens = run_prog, ids, lens
         longest = int(np.max(lens))
@@ -425,9 +492,8 @@ def measure(
         )
     if ar is not None:
         jobs.append(units.init_job(autoregressive.ENGINE, ar, tw.flat, None, rand_ids, rand_lens))
-    loop_s = programs.compile_all(jobs, workers=plan.workers, progress=say)[0]
-    run_state = None
-    if not whole:  # the prefill of the alpha run: its segment is lowered on the state
+    loop_s += programs.compile_all(jobs, workers=plan.workers, progress=say)[0]
+    if not whole and run_state is None:  # the alpha run's prefill: its segment is lowered on it
         run_state = run_init.compiled()[0](*run_init.args)
     if plan.on_call and not whole:
         state = chain.ENGINE.shifted(first, run_state[0], shift)
@@ -510,18 +576,20 @@ def measure(
             f"timed T_V(gamma={', '.join(map(str, timed))})")  # fmt: skip
     t_v = interpolate(t_v, gammas)
 
-    what = "the call's own program" if own else "a run of its own"
-    say(f"measuring alpha: up to {alpha_tokens} tokens of a greedy chain run at gamma "
-        f"{alpha_gamma} ({what})")  # fmt: skip
-    if whole:
-        length, slowest = _short_run(chain.ENGINE, run_prog, target, dw, ids, lens)
-    else:
-        length, slowest = _first_tokens(run_prog, target, dw, ids, lens, run_state, alpha_tokens)
+    if early is None:
+        what = "the call's own program" if own else "a run of its own"
+        say(f"measuring alpha: up to {alpha_tokens} tokens of a greedy chain run at gamma "
+            f"{alpha_gamma} ({what})")  # fmt: skip
+        if whole:
+            early = _run(chain.ENGINE, run_prog, target, dw, ids, lens)
+        else:
+            early = _first_tokens(run_prog, target, dw, ids, lens, run_state, alpha_tokens)
+    length, slowest, own_ms = early
     alpha = alpha_from_acceptance_length(length, alpha_gamma)
     return Measurement(
         batch, prefix, measured.get("T_T"), measured["T_D"], t_v, alpha, alpha_gamma, length,
-        slowest, interpolated=interpolated,
-        loop_compile_s=loop_s if own else None,
+        slowest, interpolated=interpolated, loop_compile_s=loop_s if own else None,
+        own_token_ms=own_ms if own else None,
     )  # fmt: skip
 
 
@@ -530,7 +598,6 @@ def _iteration_ms(seg, tflat, dflat, state) -> float | None:
     of ``state`` (a loop's prefill state, which stays valid) for 1 and then 3 iterations: the
     difference over the iterations run (``Out.steps``), so the call's own cost cancels. None
     when no iteration ran between them (every row done)."""
-    import jax.numpy as jnp
 
     def timed(limit: int) -> tuple[float, int]:
         st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
@@ -548,16 +615,18 @@ def _zeros(batch: int, g: int):
     return np.zeros((batch, g), np.int32), None
 
 
-def _first_tokens(prog, target, dw, ids, lens, first, tokens: int) -> tuple[float, float]:
+def _first_tokens(prog, target, dw, ids, lens, first, tokens: int) -> tuple[float, float, float]:
     """``_lengths`` of a streamed run's first ``tokens`` tokens per row (or until every row is
-    done), from ``first`` (its prefill's (state, out)): its segments, compiled."""
+    done), from ``first`` (its prefill's (state, out), the state donated), and its ms a token
+    (``_token_ms``, the segments' launches included): its segments, compiled."""
     tw, dflat = target.weights, None if dw is None else dw.flat
     seg, _ = base.segment_job(chain.ENGINE, prog, tw, dw, ids, lens, 0, first[0]).compiled()
     s, out = first[0], jax.device_get(first[1])
+    t0 = time.perf_counter()
     while True:
         live = ~np.asarray(out.done)
         if not live.any() or np.asarray(out.count)[live].min() >= tokens:
-            return _lengths(out)
+            return (*_lengths(out), _token_ms(time.perf_counter() - t0, out))
         need = tokens - int(np.asarray(out.count)[live].min())
         s, snap = seg(tw.flat, dflat, s, np.int32(-(-need // (prog.gamma + 1))))
         out = jax.device_get(snap)
@@ -665,13 +734,24 @@ def tune(
     key = ("magicdec", target.layout, d, b, bucket, gammas)
     described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
     m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
+    call_tokens = None if req is None else req.max_new
+    if m is not None and not m.timed_units and (shape == "auto" or not m.settles(call_tokens)):
+        m = None  # kept without T_D and T_V by a shorter call: this one may need them
     if m is None:
         how = plan(gammas)
+        if shape == "auto":  # the tree is weighed against the best chain: every unit it needs
+            how = dataclasses.replace(how, units_if_they_pay=False)
         if progress:
             line = "" if how.timed is None else f" (timed at {', '.join(map(str, how.timed))})"
             t_t = "T_T, " if how.t_t else ""
-            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): {t_t}T_D, "
-                     f"T_V for gamma {', '.join(map(str, gammas))}{line}, alpha")  # fmt: skip
+            units = f"{t_t}T_D, T_V for gamma {', '.join(map(str, gammas))}{line}"
+            what = (
+                f"alpha, then {units} if the call is long enough for another gamma to repay "
+                "its compile"
+                if how.units_if_they_pay
+                else f"{units}, alpha"
+            )
+            progress(f"measuring MagicDec's cost model (batch {b}, prefix {bucket}): {what}")
         m = measure(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
             lens=lens, req=req, streamed=streamed, plan=how, progress=progress,
@@ -717,9 +797,14 @@ def _choice(
     other (T_V hardly grows with gamma there and alpha is 1 while the prompt fits the budget:
     1.997 and 1.994 x T_AR in one run), so the noise picked 1, 2 or 4; a run at a gamma other
     than the alpha run's compiled its loop again (8-39 s in those runs) to gain nothing
-    measurable, and so did a later process that chose by the kept profile alone (27 s)."""
-    chosen_shape, gamma, speedup = choose_shape(m, tm)
-    best = gamma
+    measurable, and so did a later process that chose by the kept profile alone (27 s). A
+    measurement without T_D and T_V (``Plan.units_if_they_pay``) is of a call too short for
+    any other gamma to repay its compile: the chain at ``m.alpha_gamma``, no best gamma."""
+    if not m.timed_units:  # the call is too short for another gamma to repay its compile
+        chosen_shape, gamma, speedup = "chain", m.alpha_gamma, None
+    else:
+        chosen_shape, gamma, speedup = choose_shape(m, tm)
+    best = gamma if m.timed_units else None
     if (
         chosen_shape == "chain" and tokens and gamma != m.alpha_gamma
         and m.alpha_gamma in m.t_v and not compiled_pays(m, gamma, tokens)
@@ -731,6 +816,7 @@ def _choice(
         alpha_slowest_row=m.batch_alpha, prefix_bucket=m.prefix,
         t_v_interpolated=list(m.interpolated), best_gamma=best,
         alpha_gamma=m.alpha_gamma, loop_compile_s=m.loop_compile_s,
+        own_token_ms=m.own_token_ms, units_timed=m.timed_units,
     )  # fmt: skip
     if tm is not None:
         cost["tree"] = dict(
