@@ -322,9 +322,15 @@ def plan(gammas, backend: str | None = None) -> Plan:
 
     A CPU, where each program costs seconds of compiling (SmolLM2-135M on 2 cores: 2.3-3.1 s
     a unit, 5-7 s the loop's segment; the whole measuring took 47-50 s), compiles fewer and
-    times less (11.3-16.2 s there, median 13.9 s over five first runs with the self-streaming
-    draft, the run then compiling nothing: benchmarks/results/warm_start_cpu.json); measured
-    there at batch 1, prefix 64 (medians of 7 interleaved rounds):
+    times less; measured there at batch 1, prefix 64 (medians of 7 interleaved rounds):
+
+    - The call's own loop (its prefill and segment, which the run needs anyway) runs its alpha
+      run first, and the units are compiled and timed only when the call is long enough for
+      another gamma to repay a compile (``Plan.units_if_they_pay``, ``Measurement.settles``):
+      SmolLM2's tokens take about 30 ms at gamma 1 with the self-streaming draft against 6-7 s
+      of compiling its loop, so calls of up to about 200 tokens time no unit. A 12-token call
+      then measured for 7.5 s (12.4 s with the units, the same session, f687735), a 128-token
+      one 7.8 s. A longer call times the units as below, after its alpha run.
 
     - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
       31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
