@@ -389,6 +389,15 @@ def _compiles(monkeypatch) -> list[str]:
     return names
 
 
+def _auto_run(target, ps, streamed: bool, opts: dict):
+    """A magicdec call through ``generate``, or streamed through ``api.stream``: its result."""
+    if not streamed:
+        return generate(target, ps, **opts)
+    s = api.stream(target, ps, **opts)
+    assert list(s)
+    return s.result
+
+
 @pytest.mark.parametrize("streamed", [True, False])
 def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streamed):
     """gamma="auto" on a CPU (candidates 1, 2, 4) compiles the call's own loop at gamma 1, where
@@ -406,11 +415,7 @@ def test_magicdec_auto_on_a_cpu_compiles_only_what_it_times(monkeypatch, streame
     opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=NEW, budget=BUDGET)
 
     def run():
-        if not streamed:
-            return generate(target, ps, **opts)
-        s = api.stream(target, ps, **opts)
-        assert list(s)
-        return s.result
+        return _auto_run(target, ps, streamed, opts)
 
     r = run()
     if streamed:
@@ -440,7 +445,6 @@ def test_magicdec_auto_on_a_cpu_times_no_unit_for_a_call_too_short_to_repay_a_co
     measures the units then, and keeps them. Every output is exactly greedy."""
     monkeypatch.setattr(magicdec, "candidate_gammas", lambda backend=None: (1, 2, 4))
     target, ps = tiny.model(5), tiny.prompts(5, lengths=(30, 12))
-    ref = reference(target, ps)
     names = _compiles(monkeypatch)
     # a length of its own: programs of the other tests' shapes would compile from JAX's
     # in-process cache in no time, and a loop that compiles in no time settles nothing
@@ -448,11 +452,7 @@ def test_magicdec_auto_on_a_cpu_times_no_unit_for_a_call_too_short_to_repay_a_co
     opts = dict(draft="self-streaming", method="magicdec", max_new_tokens=new, budget=BUDGET)
 
     def run():
-        if not streamed:
-            return generate(target, ps, **opts)
-        s = api.stream(target, ps, **opts)
-        assert list(s)
-        return s.result
+        return _auto_run(target, ps, streamed, opts)
 
     ref = reference(target, ps, new)
     names.clear()

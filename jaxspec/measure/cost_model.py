@@ -329,8 +329,9 @@ def plan(gammas, backend: str | None = None) -> Plan:
       another gamma to repay a compile (``Plan.units_if_they_pay``, ``Measurement.settles``):
       SmolLM2's tokens take about 30 ms at gamma 1 with the self-streaming draft against 6-7 s
       of compiling its loop, so calls of up to about 200 tokens time no unit. A 12-token call
-      then measured for 7.5 s (12.4 s with the units, the same session, f687735), a 128-token
-      one 7.8 s. A longer call times the units as below, after its alpha run.
+      then measured for 8.4-8.7 s against 12.2-15.9 s with the units (interleaved, f687735
+      against 620240e), a 128-token one for 7.8 s (benchmarks/notes/warm_start_cpu.md). A
+      longer call times the units as below, after its alpha run.
 
     - T_V is timed at the smallest and largest gamma, the others read off their line: T_V was
       31.8, 33.5, 33.4, 34.3 ms at gamma 1-4 (the line: 32.6 and 33.5 at 2 and 3).
