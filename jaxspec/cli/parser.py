@@ -80,8 +80,8 @@ def _add_exact(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="invariant numerics (KernelConfig(invariant=True)): a row's result does not depend "
         "on the other rows of its step, so speculative output equals autoregressive output bit "
-        "for bit in bfloat16 too; slower (0.02-0.06x the default tokens/s at batch 16 on an "
-        "H200: benchmarks/RESULTS.md, bit_exact)",
+        "for bit in bfloat16 too; slower (on an H200 0.02-0.07x the default tokens/s at batch "
+        "16, 0.17-0.41x at batch 1: benchmarks/RESULTS.md, bit_exact)",
     )
 
 
