@@ -18,6 +18,7 @@ from jaxspec.cli import generate as cli_generate
 from jaxspec.cli.generate import option_value, parse_options
 from jaxspec.errors import OptionError
 from jaxspec.io import places
+from jaxspec.measure import cost_model
 from tests import hf_fixtures
 
 ARGS = ["--raw", "--max-new-tokens", "6", "--no-compile-cache"]
@@ -226,17 +227,24 @@ def test_a_second_process_compiles_nothing(ckpt, tmp_path):
     assert not (tmp_path / "off" / "xla").exists()
 
 
-@pytest.mark.slow  # compiles the cost model's units for two gammas, then the run: ~40 s
+@pytest.mark.slow  # compiles the call's loop (and, for a long call, two units): ~40 s
+@pytest.mark.parametrize("long", [False, True])
 def test_magicdec_auto_says_what_it_measures_and_a_later_run_reuses_it(
-    ckpt, tmp_path, monkeypatch, capsys
+    ckpt, tmp_path, monkeypatch, capsys, long
 ):
     monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path))
+    if long:  # a call long enough for another gamma to repay its compile: the units are timed
+        monkeypatch.setattr(cost_model.Measurement, "settles", lambda self, tokens: False)
     argv = ["generate", "w3 w4 w5", "--model", str(ckpt), *ARGS, "--method", "magicdec"]
     argv += ["--draft", "self-streaming", "--option", "budget=32", "--option", "shape=chain"]
+    argv += ["--max-new-tokens", "12"]  # alpha on the call's own loop (at least 8 tokens)
     code, first, err = _run(argv, capsys)
     assert code == 0, err
-    assert "measuring MagicDec's cost model" in err and "timing T_D, T_V(gamma=1)" in err
-    assert "T_V(gamma=4)" in err and "T_V(gamma=2) read off the line" in err  # CPU: 1, 4 timed
+    assert "measuring MagicDec's cost model" in err and "measuring alpha" in err
+    if long:
+        assert "timing T_D, T_V(gamma=4)" in err and "T_V(gamma=2) read off the line" in err
+    else:  # a tiny model's few tokens take milliseconds: no gamma repays a compile
+        assert "T_D and T_V not timed" in err and "timing" not in err
     assert len(list((tmp_path / "profiles").glob("magicdec-chain-*.json"))) == 1
     code, again, err = _run(argv, capsys)  # a new model object: the profile comes from disk
     assert code == 0 and "measuring" not in err and "timing" not in err and again == first
