@@ -742,8 +742,9 @@ def tune(
     described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
     m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
     call_tokens = None if req is None else req.max_new
+    partial = None
     if m is not None and not m.timed_units and (shape == "auto" or not m.settles(call_tokens)):
-        m = None  # kept without T_D and T_V by a shorter call: this one may need them
+        partial, m = m, None  # kept without T_D and T_V by a shorter call: this one may need them
     if m is None:
         how = plan(gammas)
         if shape == "auto":  # the tree is weighed against the best chain: every unit it needs
@@ -763,6 +764,10 @@ def tune(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
             lens=lens, req=req, streamed=streamed, plan=how, progress=progress,
         )  # fmt: skip
+        if partial is not None and partial.loop_compile_s and m.loop_compile_s is not None:
+            # the shorter call compiled the alpha gamma's loop and this one found it compiled
+            # (0 s): that compile is still what another gamma's loop would cost to switch to
+            m = dataclasses.replace(m, loop_compile_s=max(m.loop_compile_s, partial.loop_compile_s))
         profiles.keep(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, m)
     # the measuring call compiled its loop at the alpha gamma, and the persistent compile cache
     # keeps it for a later process: every call weighs switching away against that compile
