@@ -110,6 +110,26 @@ def test_compile_all_reads_kept_programs_and_compiles_only_the_rest(tmp_path):
             np.testing.assert_array_equal(np.asarray(exe(x)), np.asarray(jnp.sin(x) * f))
 
 
+def test_a_found_program_keeps_the_seconds_its_build_took():
+    """``compile_all`` says what a call spent (0 for a program found), ``built_seconds`` what the
+    program took to build whenever it was built (MagicDec prices another gamma's loop by its
+    own); a program dropped from memory has none."""
+    x = jnp.asarray(np.random.RandomState(3).randn(5).astype(np.float32))
+    job = programs.Job(_scaled, Scale(float(np.random.RandomState(4).rand())), (x,),
+                       programs.shapes_key(x))  # fmt: skip
+    assert programs.built_seconds(job) == 0.0
+    (spent,) = programs.compile_all([job])
+    assert spent > 0 and programs.built_seconds(job) == spent
+    assert programs.compile_all([job]) == [0.0] and programs.compiled(
+        _scaled, job.static, (x,), job.key
+    )[1] == 0.0  # fmt: skip
+    assert programs.built_seconds(job) == spent
+    del programs._COMPILED[job.full]
+    assert programs.built_seconds(job) == 0.0
+    _, again = programs.compiled(_scaled, job.static, (x,), job.key)
+    assert again > 0 and programs.built_seconds(job) == again
+
+
 def test_a_damaged_kept_program_is_compiled_again(tmp_path):
     x = jnp.arange(4, dtype=jnp.float32)
     with _store(tmp_path) as kept:

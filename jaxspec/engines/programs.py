@@ -34,6 +34,7 @@ class Timer:
 
 
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
+_BUILT_S: dict = {}  # the seconds each kept program took to build (``built_seconds``)
 _COMPILE_LOCK = threading.Lock()
 MAX_PROGRAMS = 64
 
@@ -66,15 +67,25 @@ def compiled(
                 if progress is not None:
                     progress(f"compiling {what or getattr(fn, '__name__', 'a program')}")
                 exe = _finish(_lower(full, args), options, where, name)
-        _keep(full, exe)
+        _keep(full, exe, t.s)
     return exe, t.s
 
 
-def _keep(full, exe) -> None:
-    """Put a program in the cache (the lock held), dropping the least recently used."""
+def _keep(full, exe, seconds: float) -> None:
+    """Put a program that took ``seconds`` to build in the cache (the lock held), dropping the
+    least recently used."""
     _COMPILED[full] = exe
+    _BUILT_S[full] = seconds
     while len(_COMPILED) > MAX_PROGRAMS:
-        _COMPILED.popitem(last=False)
+        _BUILT_S.pop(_COMPILED.popitem(last=False)[0], None)
+
+
+def built_seconds(job: Job) -> float:
+    """The seconds ``job``'s program took to build in this process (loading it from the disk
+    store, or lowering and compiling it), however often it was found since; 0 when it is not
+    kept. What a program of its kind costs to build, where ``compile_all``'s seconds say what
+    one call spent (0 for a program found)."""
+    return _BUILT_S.get(job.full, 0.0) if job.full in _COMPILED else 0.0
 
 
 def _options(static, extra: tuple) -> dict:
@@ -166,7 +177,7 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
             rest.append((i, j, options, where, name))
             continue
         with _COMPILE_LOCK:
-            _keep(j.full, exe)
+            _keep(j.full, exe, t.s)
     if not rest:
         return seconds
     if progress is not None:
@@ -192,7 +203,7 @@ def compile_all(jobs, *, workers: int = 1, progress=None) -> list[float]:
             exe, s = future.result()
             seconds[i] += s
             with _COMPILE_LOCK:
-                _keep(full, exe)
+                _keep(full, exe, seconds[i])
     except BaseException:  # a Ctrl-C waits for the compiles under way only, not the queued
         pool.shutdown(wait=False, cancel_futures=True)
         raise

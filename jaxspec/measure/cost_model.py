@@ -163,8 +163,9 @@ class Measurement:
     acceptance_length: float
     slowest_length: float | None = None  # the row that accepted least (None: as the mean)
     interpolated: tuple[int, ...] = ()  # gammas whose T_V was not timed (``Plan.timed``)
-    # seconds the measuring call's own loop at alpha_gamma took to compile (the alpha run's
-    # programs; None: the alpha run had programs of its own)
+    # seconds the measuring call's own loop at alpha_gamma took to compile, in whichever call of
+    # this process compiled it (``programs.built_seconds``: the alpha run's programs; None: the
+    # alpha run had programs of its own)
     loop_compile_s: float | None = None
     # ms a token of the measuring call's own loop at alpha_gamma, as its alpha run went (its
     # wall over its iterations, over the slowest row's tokens an iteration); None: not timed
@@ -458,13 +459,15 @@ def measure(
         if whole
         else base.stream_init_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0)
     )
-    loop_s, run_state, early = 0.0, None, None
+    run_state, early = None, None
     if plan.units_if_they_pay and own:  # the alpha run first, on the call's own programs
-        loop_s = programs.compile_all([run_init], progress=say)[0]
+        programs.compile_all([run_init], progress=say)
+        loop_s = programs.built_seconds(run_init)
         if not whole:
             run_state = run_init.compiled()[0](*run_init.args)
             seg = base.segment_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0, run_state[0])
-            loop_s += programs.compile_all([seg], progress=say)[0]
+            programs.compile_all([seg], progress=say)
+            loop_s += programs.built_seconds(seg)
         say(f"measuring alpha: up to {alpha_tokens} tokens of a greedy chain run at gamma "
             f"{alpha_gamma} (the call's own program)")  # fmt: skip
         if whole:
@@ -499,7 +502,7 @@ def measure(
         )
     if ar is not None:
         jobs.append(units.init_job(autoregressive.ENGINE, ar, tw.flat, None, rand_ids, rand_lens))
-    loop_s += programs.compile_all(jobs, workers=plan.workers, progress=say)[0]
+    programs.compile_all(jobs, workers=plan.workers, progress=say)
     if not whole and run_state is None:  # the alpha run's prefill: its segment is lowered on it
         run_state = run_init.compiled()[0](*run_init.args)
     if plan.on_call and not whole:
@@ -538,8 +541,10 @@ def measure(
     ]
     if not whole:
         jobs.append(base.segment_job(chain.ENGINE, run_prog, tw, dw, ids, lens, 0, run_state[0]))
-    seconds = programs.compile_all(jobs, workers=plan.workers, progress=say)
-    loop_s += 0.0 if whole else seconds[-1]
+    programs.compile_all(jobs, workers=plan.workers, progress=say)
+    # what the loop took to build, whichever call built it: another gamma's would cost as much
+    loop_s = programs.built_seconds(run_init)
+    loop_s += 0.0 if whole else programs.built_seconds(jobs[-1])
 
     rounds = {name: [] for name in timings}
     loop_name = f"one iteration of the alpha run's loop at gamma {alpha_gamma}"
@@ -742,9 +747,8 @@ def tune(
     described = profiles.describe(target, draft, options, kernels, b, bucket, gammas)
     m = profiles.kept(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, Measurement)
     call_tokens = None if req is None else req.max_new
-    partial = None
     if m is not None and not m.timed_units and (shape == "auto" or not m.settles(call_tokens)):
-        partial, m = m, None  # kept without T_D and T_V by a shorter call: this one may need them
+        m = None  # kept without T_D and T_V by a shorter call: this one may need them
     if m is None:
         how = plan(gammas)
         if shape == "auto":  # the tree is weighed against the best chain: every unit it needs
@@ -764,10 +768,6 @@ def tune(
             target, draft, b, bucket, gammas, options=options, kernels=kernels, ids=ids,
             lens=lens, req=req, streamed=streamed, plan=how, progress=progress,
         )  # fmt: skip
-        if partial is not None and partial.loop_compile_s and m.loop_compile_s is not None:
-            # the shorter call compiled the alpha gamma's loop and this one found it compiled
-            # (0 s): that compile is still what another gamma's loop would cost to switch to
-            m = dataclasses.replace(m, loop_compile_s=max(m.loop_compile_s, partial.loop_compile_s))
         profiles.keep(owner, key, profile_dir, {**described, "kind": "magicdec-chain"}, m)
     # the measuring call compiled its loop at the alpha gamma, and the persistent compile cache
     # keeps it for a later process: every call weighs switching away against that compile
