@@ -10,7 +10,9 @@ A ragged set of prompts (HumanEval prompts, OpenAI, MIT licence, cut to 16 lengt
 chain, tree and magicdec with each draft kind (prompt lookup, a draft model, the self-drafts'
 sparse caches, a feature head: SmolLM2's shipped EAGLE-1 head, a random one for the 1B shape),
 in the default numerics and in the invariant ones.
-Batch 1 runs each prompt alone (the first ``--b1-prompts``), batch 16 all at once. A row
+Batch 1 runs each prompt alone (the first ``--b1-prompts``, cut to the first one's padded width
+so that every call has one shape and compiles once: 24 and 32 tokens for two; the 1B-shape rows
+before 2026-12-05 ran 24 and 40, each row says which), batch 16 all at once. A row
 *parts* when its tokens differ from the autoregressive tokens of the same numerics, decoded in
 this process; with ``--refs`` (written by an earlier ``--ar-only`` process), also when they
 differ from that other process's (``parted_rows_other_process``). Tokens/s is
@@ -38,6 +40,7 @@ from jaxspec.io.convert import load
 from jaxspec.io.default_model import default_checkpoint
 from jaxspec.io.draft_checkpoint import SHIPPED, SHIPPED_FEATURE, load_draft
 from jaxspec.model.feature_head import random_head
+from jaxspec.model.prefill import pad_prompts
 from jaxspec.model.transformer import truncate
 
 LENGTHS = (24, 40, 57, 80, 96, 120, 150, 180, 220, 260, 300, 350, 400, 460, 520, 600)
@@ -125,7 +128,7 @@ def main() -> None:
     )
     refs = {}
     for batch in [int(b) for b in args.batches.split(",") if b]:
-        groups = [prompts] if batch > 1 else [[p] for p in prompts[: args.b1_prompts]]
+        groups = [prompts] if batch > 1 else [[p] for p in alone(prompts[: args.b1_prompts])]
         ref = {k: decode(target, groups, args.new, k)[0] for k in (None, invariant)}
         refs[str(batch)] = {"default": ref[None], "invariant": ref[invariant]}
         if args.ar_only:
@@ -149,6 +152,7 @@ def main() -> None:
                     a != b for a, b in zip(got[None][0], ref[None], strict=True)
                 ),  # fmt: skip
                 "rows": len(ref[None]),
+                "prompt_lengths": [len(p) for g in groups for p in g],
                 "parted_rows_other_process": parted(got[invariant][0], other, batch, "invariant"),
                 "parted_rows_default_other_process": parted(got[None][0], other, batch, "default"),
                 "tok_per_s_invariant": round(got[invariant][1], 1),
@@ -165,6 +169,14 @@ def main() -> None:
     if args.ar_only:
         pathlib.Path(args.refs).write_text(json.dumps(refs))
         print(f"wrote {args.refs}")
+
+
+def alone(prompts: list[list[int]]) -> list[list[int]]:
+    """Batch-1 prompts, each cut to the first one's padded width (``pad_prompts``): one shape,
+    so a run compiles its programs once instead of once per prompt (a batch-1 run is
+    compile-bound: 35-73 s for two widths on the 1B shape)."""
+    width = pad_prompts(prompts[:1], jaxspec.KernelConfig())[0].shape[1]
+    return [p[:width] for p in prompts]
 
 
 def first_parted(tokens, ref) -> list[dict]:
