@@ -193,10 +193,10 @@ def first_parted(tokens, ref) -> list[dict]:
 
 def merged(paths: list[str]) -> dict:
     """One payload of several outputs (processes that split the runs between them, or calls of
-    other models or commits): the first one's metadata, each row with its part's commit and
-    date, the rows by model, batch 16 before batch 1, then in ``RUNS`` order. A row measured
-    again (same model, batch, method and draft) keeps the later part's measurement: list the
-    parts oldest first."""
+    other models, commits or GPUs): the first one's metadata, each row with its part's commit,
+    date and device, the rows by model, batch 16 before batch 1, then in ``RUNS`` order. A row
+    measured again (same model, batch, method and draft) keeps the later part's measurement:
+    list the parts oldest first."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     order = {r[:2]: i for i, r in enumerate(RUNS)}
     latest = {
@@ -204,6 +204,7 @@ def merged(paths: list[str]) -> dict:
             **r,
             "commit": r.get("commit", p["commit"]),
             "date": r.get("date", p["date"]),
+            "device": r.get("device", p["device"]),
         }
         for p in parts
         for r in p["rows"]
@@ -213,9 +214,11 @@ def merged(paths: list[str]) -> dict:
     commands = sorted({c for p in parts for c in p.get("commands", [p["command"]])})
     models = sorted({r["model"] for r in rows})
     commits = sorted({r["commit"] for r in rows})
+    devices = sorted({r["device"] for r in rows})
     return {**parts[0], "date": max(r["date"] for r in rows),
             "model": models[0] if len(models) == 1 else models,
             "commit": commits[0] if len(commits) == 1 else "per row",
+            "device": devices[0] if len(devices) == 1 else "per row: " + ", ".join(devices),
             "command": "the JSON's commands (one a process), joined by bench_bit_exact.py --merge",
             "processes": len(commands), "commands": commands, "rows": rows}  # fmt: skip
 

@@ -6,9 +6,9 @@ import json
 from benchmarks.bench_bit_exact import merged
 
 
-def _part(tmp_path, name, commit, date, model, runs, batch, commands=None):
+def _part(tmp_path, name, commit, date, model, runs, batch, commands=None, device="NVIDIA H200 x1"):
     payload = {
-        "date": date, "device": "NVIDIA H200 x1", "jax": "0.11.2", "commit": commit,
+        "date": date, "device": device, "jax": "0.11.2", "commit": commit,
         "command": f"python benchmarks/bench_bit_exact.py --model {model} ({name})",
         "rows": [
             {"method": m, "draft": d, "batch": batch, "model": model, "parted_rows": 0}
@@ -51,3 +51,13 @@ def test_merge_keeps_the_later_measurement_of_a_row(tmp_path):
     out = merged([old, new])
     keys = [(r["method"], r["draft"], r["commit"]) for r in out["rows"]]
     assert keys == [("chain", "ngram", "bbb"), ("tree", "model", "aaa")]
+
+
+def test_merge_keeps_each_rows_device(tmp_path):
+    h200 = _part(tmp_path, "h200", "aaa", "2026-12-03", "1b", [("chain", "ngram")], 16)
+    h100 = _part(tmp_path, "h100", "bbb", "2026-12-05", "1b", [("chain", "model")], 1,
+                 device="NVIDIA H100 80GB HBM3 x1")  # fmt: skip
+    out = merged([h200, h100])
+    assert [r["device"] for r in out["rows"]] == ["NVIDIA H200 x1", "NVIDIA H100 80GB HBM3 x1"]
+    assert out["device"] == "per row: NVIDIA H100 80GB HBM3 x1, NVIDIA H200 x1"
+    assert merged([h200])["device"] == "NVIDIA H200 x1"

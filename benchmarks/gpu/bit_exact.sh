@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Bit-exact bf16 (bench_bit_exact.py), one H200: partings from autoregressive decoding and the
+# Bit-exact bf16 (bench_bit_exact.py), one GPU: partings from autoregressive decoding and the
 # invariant numerics' cost. `bit_exact.sh MODEL [RUNS] [BATCHES]`: MODEL smollm2 (the real
 # SmolLM2, its GGUF: README.md) or 1b (a random Llama-3.2-1B shape); RUNS the method:draft list
 # (bench_bit_exact.py --runs; default every one); BATCHES default 16,1. A first process writes
-# its autoregressive tokens (--ar-only; SmolLM2 at batches 16 and 1 takes over 150 s, most of it
-# compiling); the second decodes the runs and compares with its own autoregressive tokens and with
-# the first process's. At 3f166ea (invariant loops in command buffers) a SmolLM2 run at batch 16
-# took 41-70 s, both numerics, compiles included: one call held the --ar-only process and nine
-# runs; a 1B-shape run at batch 1 took 35-73 s (compile-bound), five or six a call. Split the
-# ten over two calls on one warm machine: the second reuses the first's autoregressive tokens.
+# its autoregressive tokens (--ar-only); the second decodes the runs and compares with its own
+# autoregressive tokens and with the first process's. At 3f166ea (H200) a SmolLM2 run at batch
+# 16 took 41-70 s, both numerics, compiles included: one call held the --ar-only process and
+# nine runs. Batch-1 prompts share one padded width since cd589af, so a batch-1 run compiles
+# once: on an H100 the SmolLM2 --ar-only process and all ten batch-1 runs took 391 s (22-43 s a
+# run), three 1B-shape runs with theirs 103 s. A call can be taken back: split the runs over
+# calls on one warm machine, and the later ones reuse the first's autoregressive tokens.
 # One process at a time: processes that share the GPU time-slice it, and the invariant
 # programs' many small kernels wait for the others' slices (three at once, e1a6bd0, cut the
 # invariant tokens/s up to 10x). Writes $OUT/bit_exact_<model>.json; join the calls' files with
