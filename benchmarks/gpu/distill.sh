@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu/distill.sh         # ~8 min: $OUT/smollm2-135m-instruct-draft.tar
 #   bash benchmarks/gpu/distill.sh bench   # ~3 min: $OUT/distill.json; its "h200" section is
 #                                          # results/distill.json's (DRAFT_DIR: another draft)
-# The defaults are the shipped draft's run (checkpoints/README.md). A smoke test on a CPU:
+# The defaults are the shipped draft's run (checkpoints/README.md). DATA_FROM=RUN/data reuses
+# an earlier run's data (runs compared on the same text; the data options must match), NAME
+# names the tar. A smoke test on a CPU:
 #   QUICK=1 OUT=/tmp/d PY=.venv/bin/python bash benchmarks/gpu/distill.sh [bench]
 set -u
 source benchmarks/gpu/env.sh
@@ -32,10 +34,11 @@ if [ "${1:-}" = bench ]; then
   exit
 fi
 rm -rf "$RUN"
+if [ -n "${DATA_FROM:-}" ]; then mkdir -p "$RUN" && cp -r "$DATA_FROM" "$RUN/data" || exit 1; fi
 bench distill 120 $PY -c "import jaxspec.io.default_model as m; m.default_checkpoint()"
 # shellcheck disable=SC2086
 bench distill $((BUDGET + 45)) $PY -m jaxspec.cli distill --out "$RUN" $ARGS --budget-s "$BUDGET" \
   --gen-budget-s "$GEN_BUDGET"
 [ -f "$RUN/draft/draft.json" ] || { echo "no draft was written"; exit 1; }
-tar -C "$RUN/draft" -cf "$OUT/smollm2-135m-instruct-draft.tar" .
-ls -l "$OUT/smollm2-135m-instruct-draft.tar"
+tar -C "$RUN/draft" -cf "$OUT/${NAME:-smollm2-135m-instruct-draft}.tar" .
+ls -l "$OUT/${NAME:-smollm2-135m-instruct-draft}.tar"

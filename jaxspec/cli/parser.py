@@ -303,6 +303,19 @@ DISTILL_OPTIONS = (
     ("--feature-weight", "feature_weight", float, "feature kind: weight of the state regression"),
     ("--token-weight", "token_weight", float, "feature kind: weight of the token loss"),
     ("--noise", "noise", float, "feature kind: width of the uniform noise on the input states"),
+    (
+        "--ttt-steps",
+        "ttt_steps",
+        int,
+        "feature kind: runs of the head per position, the later ones on its own predicted "
+        "states (training-time test; 1: EAGLE-1's loss alone)",
+    ),
+    (
+        "--init-from",
+        "init_from",
+        str,
+        "start from this finished draft folder (same kind, layers and MLP width) instead of --init",
+    ),
     ("--seed", "seed", int, "data-order seed"),
     ("--samples", "samples", int, "temperature samples per prompt, besides the greedy one"),
     ("--temperature", "temperature", float, "temperature of those samples"),

@@ -37,7 +37,7 @@ from jaxspec.model.kv_cache import Block, KVCache
 from jaxspec.model.layers import Linear, init_param, matmul, rope_tables, weight_of
 from jaxspec.model.prefill import chunked, fit_chunk
 from jaxspec.model.quantized import dequantize_params
-from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network, whole_block
+from jaxspec.model.transformer import FINAL, DecoderLayer, Model, Net, Network
 
 EAGLE1_READS = (FINAL,)  # the target states an EAGLE-1 head reads
 
@@ -87,15 +87,6 @@ def apply_head(net: Net, flat, tokens, feats, cache: KVCache, block: Block, sele
     """Pure forward of the feature head ``net`` describes: ``(logits, g, cache)``."""
     module = nnx.merge(net.graphdef, net.params(flat))
     return module(tokens, feats, cache, block, select, net.kernels)
-
-
-def head_forward(net: Net, flat, tokens, feats):
-    """The head over whole sequences of pairs ``(feats [B, T, d], tokens [B, T])`` with a
-    throwaway cache: ``(logits [B, T, V], g [B, T, d])`` (training)."""
-    b, t = tokens.shape
-    cache, block = whole_block(net.cfg, b, t, net.dtype)
-    logits, g, _ = apply_head(net, flat, tokens, feats, cache, block)
-    return logits, g
 
 
 def head_prefill(net: Net, flat, cache: KVCache, ids, feats, lens) -> KVCache:

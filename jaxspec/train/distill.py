@@ -66,16 +66,18 @@ from jaxspec.io.datasets import humaneval
 from jaxspec.io.draft_checkpoint import (
     PathLike,
     _assemble,
+    _pure,
     _read_json,
     _same_target,
     _shared_of,
+    _trainable,
     _write_atomic,
     _write_draft,
     draft_config,
     fingerprint,
     load_draft,
 )
-from jaxspec.model.feature_head import abstract_head
+from jaxspec.model.feature_head import FeatureModel, abstract_head
 from jaxspec.model.transformer import Model, Net, abstract_model
 from jaxspec.train.data import (
     HOLDOUT,
@@ -350,7 +352,11 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
     opt = _optimizer(Optim.of(recipe))
     latest = mngr.latest_step() if resume else None
     if latest is None:
-        train = KINDS[recipe.kind].init(target, recipe)
+        train = (
+            KINDS[recipe.kind].init(target, recipe)
+            if recipe.init_from is None
+            else _weights_of(target, recipe)
+        )
         return _State(train, opt.init(train), 0, 0, recipe.steps, fixed_total)
     train0 = KINDS[recipe.kind].shapes(target, recipe)
     opt0 = opt.init(train0)
@@ -367,6 +373,26 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
     return _State(
         train, opt_state, int(st["step"]), int(st["data_position"]), int(st["total_steps"]), True
     )
+
+
+def _weights_of(target: Model, recipe: Recipe) -> dict:
+    """The trainable weights (float32) of the finished draft ``recipe.init_from``, which must be
+    of the recipe's kind and shape and distilled for ``target``: a run that goes on from it with
+    another recipe (a training-time test, more data) and a fresh optimizer and schedule."""
+    draft = load_draft(recipe.init_from, target)
+    kind = "feature" if isinstance(draft, FeatureModel) else "model"
+    cfg = draft.config
+    if (kind, cfg.num_layers, cfg.intermediate_size) != (
+        recipe.kind, recipe.layers, recipe.intermediate,
+    ):  # fmt: skip
+        raise OptionError(
+            f"init_from={recipe.init_from!r} is a {kind} draft of {cfg.num_layers} layers and "
+            f"MLP width {cfg.intermediate_size}; this run trains a {recipe.kind} draft of "
+            f"{recipe.layers} and {recipe.intermediate}. Pass the same --kind, --layers and "
+            "--intermediate."
+        )
+    own = _trainable(_pure(draft.params))
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), own)
 
 
 # Steps whose median time fixes the step count under a budget: the whole warmup (the learning
@@ -450,4 +476,5 @@ def _save_args(train, opt_state, step, position, total):
 def _summary(rows: list[dict]) -> dict:
     if not rows:
         return {}
-    return {k: round(float(np.mean([r[k] for r in rows])), 5) for k in ("loss", "kl", "agree")}
+    keys = [k for k in ("loss", "kl", "agree", "agree_last") if k in rows[0]]
+    return {k: round(float(np.mean([r[k] for r in rows])), 5) for k in keys}

@@ -12,8 +12,20 @@ position, its final state ``f_t`` and logits (the teacher). The head reads the p
 - **noise**: EAGLE-1 adds uniform noise of width ``noise`` (its 0.2: U(-0.1, 0.1)) to the input
   states in training, so the head tolerates the error of its own states when it drafts on them.
 
+With ``ttt_steps`` K > 1 the step adds a *training-time test* (HASS, arXiv 2408.15766; EAGLE-3,
+arXiv 2503.01840): the head is run again K - 1 times on its own predicted states, as it drafts
+after its first step. Step j's input at position t is step j - 1's prediction of ``f_t`` (made at
+t - 1) with ``x_{t+1}``; its query sees what a drafting head's cache holds there: the true pairs
+up to t - j (step 0's keys) and the predicted pairs of the steps in between (step i's key at
+t - j + i), never a predicted pair the drafting head would not have made. Every step has the
+same targets (``f_{t+1}`` and ``p(x_{t+2})``) at the positions t >= j where that context exists,
+and the loss is their mean. The states fed back are constants for the gradient (the earlier
+steps run once more without it), so the cost is one forward of K·(T-1) pairs with its backward
+plus K - 1 smaller forwards. ``ttt_steps`` 1 is EAGLE-1's loss as above.
+
 The teacher is computed inside the jitted step, like the small draft's; the target's embedding
-and LM head are the head's, frozen. The head starts from random weights (EAGLE-1's).
+and LM head are the head's, frozen. The head starts from random weights (EAGLE-1's), or from a
+finished head's (``Recipe.init_from``).
 """
 
 from __future__ import annotations
@@ -22,11 +34,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxspec.io.draft_checkpoint import _assemble
-from jaxspec.model.feature_head import SHARED, FeatureHead, head_config, head_forward
-from jaxspec.model.transformer import FINAL, Model, full_logits
+from jaxspec.model.feature_head import SHARED, FeatureHead, apply_head, head_config
+from jaxspec.model.kv_cache import Block, init_cache
+from jaxspec.model.transformer import FINAL, Model, Net, full_logits
 from jaxspec.train.recipe import Recipe, apply_grads, losses
 
 
@@ -63,10 +77,54 @@ def feature_losses(teacher_logits, states, head_logits, g, recipe):
     return recipe.feature_weight * feat + recipe.token_weight * token, kl, ce, agree, feat
 
 
+def ttt_block(b: int, n: int, steps: int) -> Block:
+    """The block of ``steps`` runs of the head over ``n`` pairs each, laid side by side (step j's
+    pair t at column ``j * n + t``, RoPE position t, cache slot its column): step 0 is causal;
+    step j's pair t sees step 0's pairs up to t - j and step i's pair t - j + i for 0 < i <= j
+    (module docstring)."""
+    t = np.arange(n)
+    mask = np.zeros((steps * n, steps * n), bool)
+    for j in range(steps):
+        rows = j * n + t
+        mask[rows[:, None], t[None, :]] = t[None, :] <= t[:, None] - j
+        for i in range(1, j + 1):
+            src = t - j + i
+            ok = src >= 0
+            mask[rows[ok], i * n + src[ok]] = True
+    columns = jnp.arange(steps * n, dtype=jnp.int32)
+    return Block(
+        positions=jnp.broadcast_to(columns % n, (b, steps * n)),
+        slots=jnp.broadcast_to(columns, (b, steps * n)),
+        block_mask=jnp.broadcast_to(jnp.asarray(mask), (b, steps * n, steps * n)),
+    )
+
+
+def ttt_forward(net: Net, flat, tokens, inputs, steps: int):
+    """The head's ``steps`` runs over the pairs ``(inputs [B, n, d], tokens [B, n])`` (module
+    docstring): ``(logits [B, steps * n, V], g [B, steps * n, d])``, step j's at columns
+    ``j * n ...``. Step j's inputs are step j - 1's predictions, shifted one position (the true
+    input where there is none), computed first and held constant for the gradient."""
+    b, n = tokens.shape
+    feats = inputs
+    for j in range(1, steps):
+        cache = init_cache(net.cfg, b, j * n, net.dtype)
+        _, g, _ = apply_head(net, flat, jnp.tile(tokens, (1, j)), feats, cache,
+                             ttt_block(b, n, j))  # fmt: skip
+        last = jax.lax.stop_gradient(g[:, -n:]).astype(inputs.dtype)
+        fed = jnp.concatenate([inputs[:, :1], last[:, :-1]], axis=1)
+        feats = jnp.concatenate([feats, fed], axis=1)
+    cache = init_cache(net.cfg, b, steps * n, net.dtype)
+    logits, g, _ = apply_head(net, flat, jnp.tile(tokens, (1, steps)), feats, cache,
+                              ttt_block(b, n, steps))  # fmt: skip
+    return logits, g
+
+
 @functools.partial(jax.jit, static_argnames=("tnet", "dnet", "recipe"), donate_argnums=(0, 1))
 def feature_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, dnet, recipe):
     """One optimizer step on ``tokens`` [B, T]: the target's states and logits, the head's
-    forward on the noisy pairs, EAGLE-1's loss, AdamW."""
+    forward on the noisy pairs (and, with ``ttt_steps`` > 1, on its own states), EAGLE-1's
+    loss, AdamW. The metrics are step 0's (the first draft step) and ``agree_last``, the last
+    step's top-1 agreement."""
     logits, states = full_logits(tnet, tflat, tokens, (FINAL,))
     logits, states = jax.lax.stop_gradient((logits, states))
     dtype = tnet.dtype
@@ -74,15 +132,26 @@ def feature_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, 
     inputs = states[:, :-1]
     noise = recipe.noise * (jax.random.uniform(key, inputs.shape, jnp.float32) - 0.5)
     inputs = (inputs.astype(jnp.float32) + noise).astype(dtype)
+    k, n = recipe.ttt_steps, inputs.shape[1]
+    # step j's loss counts at positions t >= j, where its context exists (module docstring)
+    weight = (jnp.arange(n)[None, :] >= jnp.arange(k)[:, None]).astype(jnp.float32)
+    weight = weight / weight.sum(axis=1, keepdims=True) / k
 
     def loss_fn(w):
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
-        head_logits, g = head_forward(dnet, jax.tree.leaves(params), tokens[:, 1:], inputs)
-        loss, kl, ce, agree, feat = feature_losses(
-            logits[:, 1:], states[:, 1:], head_logits, g, recipe
-        )
-        metrics = {"kl": kl.mean(), "ce": ce.mean(), "agree": agree.mean(), "feat": feat.mean()}
-        return loss.mean(), metrics
+        head_logits, g = ttt_forward(dnet, jax.tree.leaves(params), tokens[:, 1:], inputs, k)
+        b = tokens.shape[0]
+        loss, kl, ce, agree, feat = (
+            x.reshape(b, k, n)
+            for x in feature_losses(
+                jnp.tile(logits[:, 1:], (1, k, 1)), jnp.tile(states[:, 1:], (1, k, 1)),
+                head_logits, g, recipe,
+            )
+        )  # fmt: skip
+        metrics = {"kl": kl[:, 0].mean(), "ce": ce[:, 0].mean(), "agree": agree[:, 0].mean(),
+                   "feat": feat[:, 0].mean(),
+                   "agree_last": (agree[:, -1] * weight[-1]).sum(axis=-1).mean() * k}  # fmt: skip
+        return (loss * weight).sum(axis=(1, 2)).mean(), metrics
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(train)
     train, opt_state, lr = apply_grads(train, opt_state, grads, step, total, recipe)

@@ -41,6 +41,8 @@ class Recipe:
     feature_weight: float = 1.0  # feature kind: the state regression's weight (EAGLE-1's)
     token_weight: float = 0.1  # feature kind: the token loss's weight (EAGLE-1's)
     noise: float = 0.2  # feature kind: width of the uniform noise on the input states
+    ttt_steps: int = 1  # feature kind: runs of the head on its own states (train.feature)
+    init_from: str | None = None  # a finished draft of the same kind and shape to start from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Optim:
     feature_weight: float
     token_weight: float
     noise: float
+    ttt_steps: int
 
     @classmethod
     def of(cls, recipe: Recipe) -> Optim:
@@ -84,6 +87,15 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
         pos_int(name, getattr(recipe, name))
     for name in ("warmup", "seed"):
         pos_int(name, getattr(recipe, name), lo=0)
+    pos_int("ttt_steps", recipe.ttt_steps)
+    if recipe.ttt_steps > 1 and recipe.kind != "feature":
+        raise OptionError(
+            f"ttt_steps={recipe.ttt_steps}: the training-time test runs a feature head on its own "
+            "states; a small draft ('model' kind) drafts on tokens. Use --kind feature or leave "
+            "ttt_steps at 1."
+        )
+    if recipe.init_from is not None and not isinstance(recipe.init_from, str):
+        raise OptionError(f"init_from must be a draft folder's path, got {recipe.init_from!r}.")
     pos_float("lr", recipe.lr)
     pos_float("min_lr_ratio", recipe.min_lr_ratio, strict=False, hi=1.0)
     pos_float("weight_decay", recipe.weight_decay, strict=False)

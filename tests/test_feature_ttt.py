@@ -1,0 +1,110 @@
+"""The feature head's training-time test (``train.feature``, ``ttt_steps``): step j of the
+training forward computes, at every position where it counts, exactly what a drafting head
+computes at its j-th draft step (a cache of true pairs, then its own predicted states); the
+block it sees is that and nothing more; a distill with it trains from a finished head
+(``init_from``); and the options refuse what they cannot do."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.errors import OptionError
+from jaxspec.model.feature_head import apply_head, random_head
+from jaxspec.model.kv_cache import causal_block, init_cache
+from jaxspec.train import distill as D
+from jaxspec.train.feature import ttt_block, ttt_forward
+from tests import tiny
+from tests.test_feature_distill import PROMPTS, RUN
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.model(0)
+
+
+def drafted(head, tokens, feats, start: int, steps: int):
+    """What a drafting head computes: true pairs ``< start`` in its cache, then ``steps`` + 1
+    draft steps from the true state at ``start``, each feeding the last predicted state with the
+    next token. Returns the last step's (logits, state), ``[B, V]`` and ``[B, d]``."""
+    net, flat = head.net(), head.flat
+    b = tokens.shape[0]
+    cache = init_cache(net.cfg, b, tokens.shape[1], net.dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    if start > 0:
+        block = causal_block(zeros, zeros, jnp.full((b,), start, jnp.int32), start)
+        cache = apply_head(net, flat, tokens[:, :start], feats[:, :start], cache, block)[2]
+        cache = dataclasses.replace(cache, length=cache.length + start)
+    state = feats[:, start : start + 1]
+    for i in range(steps + 1):
+        pos = jnp.full((b,), start + i, jnp.int32)
+        block = causal_block(cache.length, pos, jnp.ones((b,), jnp.int32), 1)
+        tok = tokens[:, start + i : start + i + 1]
+        logits, state, cache = apply_head(net, flat, tok, state, cache, block)
+        cache = dataclasses.replace(cache, length=cache.length + 1)
+    return logits[:, 0], state[:, 0]
+
+
+def test_each_ttt_step_computes_what_the_drafting_head_computes(target):
+    head = random_head(target, layers=1, seed=3)
+    rng = np.random.RandomState(7)
+    b, n, steps = 2, 9, 3
+    tokens = jnp.asarray(rng.randint(0, target.config.vocab_size, (b, n)), jnp.int32)
+    feats = jnp.asarray(rng.normal(size=(b, n, target.config.hidden_size)), jnp.float32)
+    logits, g = jax.jit(ttt_forward, static_argnums=(0, 4))(
+        head.net(), head.flat, tokens, feats, steps
+    )
+    for j in range(steps):
+        for t in sorted({j, j + 1, n // 2, n - 1}):  # the first positions that count, and later
+            want_logits, want_g = drafted(head, tokens, feats, t - j, j)
+            np.testing.assert_allclose(g[:, j * n + t], want_g, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(logits[:, j * n + t], want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_ttt_step_sees_the_true_prefix_and_its_own_earlier_steps_only():
+    n, steps = 6, 3
+    mask = np.asarray(ttt_block(1, n, steps).block_mask[0])
+    for j in range(steps):
+        for t in range(n):
+            seen = {(i, s) for i in range(steps) for s in range(n) if mask[j * n + t, i * n + s]}
+            want = {(0, s) for s in range(t - j + 1)} | {
+                (i, t - j + i) for i in range(1, j + 1) if t - j + i >= 0
+            }
+            assert seen == want, (j, t)
+    assert np.array_equal(mask[:n, :n], np.tril(np.ones((n, n), bool)))  # step 0: causal
+
+
+def test_a_ttt_run_goes_on_from_a_finished_head_and_reports_each_steps_agreement(target, tmp_path):
+    first = D.distill(target, tmp_path / "a", prompts=PROMPTS, steps=12, save_every=50, **RUN)
+    # one step: the last step's agreement is the first's
+    assert all(r["agree_last"] == pytest.approx(r["agree"]) for r in first.history)
+    run = D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=12, save_every=50,
+                    ttt_steps=3, init_from=str(first.path), **RUN)  # fmt: skip
+    h = run.history
+    assert run.steps == 12 and all(np.isfinite(r["loss"]) for r in h)
+    assert all(0.0 <= r["agree_last"] <= 1.0 for r in h)
+    # it starts where the finished head ended, not from a random head's loss
+    assert h[0]["kl"] < 0.9 * first.history[0]["kl"]
+    assert run.path.joinpath("draft.json").read_text().count('"ttt_steps": 3') == 1
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        (dict(kind="model", ttt_steps=2), "training-time test"),
+        (dict(kind="feature", ttt_steps=0), "ttt_steps must be an integer >= 1"),
+    ],
+)
+def test_ttt_options_that_cannot_run_are_refused(target, tmp_path, options, says):
+    run = {**RUN, **options}
+    with pytest.raises(OptionError, match=says):
+        D.distill(target, tmp_path / "run", prompts=PROMPTS, steps=2, **run)
+
+
+def test_init_from_a_head_of_another_shape_is_refused(target, tmp_path):
+    first = D.distill(target, tmp_path / "a", prompts=PROMPTS, steps=2, save_every=50, **RUN)
+    with pytest.raises(OptionError, match="MLP width 32"):
+        D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=2, init_from=str(first.path),
+                  **{**RUN, "intermediate": 16})  # fmt: skip
