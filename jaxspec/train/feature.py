@@ -108,9 +108,10 @@ def ttt_forward(net: Net, flat, tokens, inputs, steps: int):
     feats = inputs
     for j in range(1, steps):
         cache = init_cache(net.cfg, b, j * n, net.dtype)
+        last_step = jnp.broadcast_to(jnp.arange((j - 1) * n, j * n, dtype=jnp.int32), (b, n))
         _, g, _ = apply_head(net, flat, jnp.tile(tokens, (1, j)), feats, cache,
-                             ttt_block(b, n, j))  # fmt: skip
-        last = jax.lax.stop_gradient(g[:, -n:]).astype(inputs.dtype)
+                             ttt_block(b, n, j), last_step)  # fmt: skip
+        last = jax.lax.stop_gradient(g).astype(inputs.dtype)
         fed = jnp.concatenate([inputs[:, :1], last[:, :-1]], axis=1)
         feats = jnp.concatenate([feats, fed], axis=1)
     cache = init_cache(net.cfg, b, steps * n, net.dtype)
