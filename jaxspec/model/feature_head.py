@@ -11,14 +11,15 @@ normed state. The head shares the target's embedding and LM head (filled from th
 loaded, frozen in training); while drafting ahead of the target it feeds ``g`` back in place of
 ``f`` (``spec.feature_drafts``).
 
-Why EAGLE-1 and not EAGLE-3 (fused low/middle/high layers, training-time test): EAGLE-1's loss
-regresses the 576 numbers of the next state as well as matching the next token, a dense
-signal per position that makes the most of a small training budget (the shipped head trained
-on a shared two-core CPU); it reads a single state, the one the target's LM head already
-computes, so a verify returns one ``[b, t, d]`` array; and its first draft step sees the
-target's exact state. EAGLE-3's gains come with far more training data than that budget
-writes. The target-side API (``apply(..., features=...)``) reads any layers, so an EAGLE-3
-head could be added beside this one.
+Why EAGLE-1's input and not EAGLE-3's (fused low, middle and high layers): EAGLE-1's loss
+regresses the 576 numbers of the next state as well as matching the next token, a dense signal
+per position that makes the most of a small training budget (the shipped head trained in one
+7-minute GPU call); it reads a single state, the one the target's LM head already computes, so a
+verify returns one ``[b, t, d]`` array; and its first draft step sees the target's exact state.
+EAGLE-3's gains come with far more training data than that budget writes. The target-side API
+(``apply(..., features=...)``) reads any layers, so an EAGLE-3 head could be added beside this
+one. EAGLE-3's other half, the training-time test (the head trained on its own predicted
+states), is a training option of this head (``train.feature``, ``distill --ttt-steps``).
 """
 
 from __future__ import annotations
