@@ -65,32 +65,38 @@ from jaxspec.timing import loop_ms, repeat
 from pallas_kernels import quant, quant_linear
 
 SECTIONS = ("check", "sweep", "steps", "real")
-# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan. The first H200 sweep of the
-# scale-row kernel (2026-12-03, 5ba556f; benchmarks/notes/quantized.md) ranked 256 x 64 in 4
-# stages first for int8 (49-51 us on the two shapes) and 256 x 128 in 3 for int4 (39-44 us);
-# 64 x 256 (the old default) 52-62 us, 8 warps slower everywhere, 256 x 256 in 3 stages over
-# the shared memory. This sweep looks around the two winners: shorter K tiles, deeper pipelines,
-# wider rows, fewer warps.
+# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan. Eight rows (the tensor
+# cores): the two H200 sweeps of the scale-row kernel (2026-12-03, benchmarks/notes/quantized.md)
+# put every 256-wide tile within ~10% of another; these are their winners. One row (the
+# ``_gemv_kernel``, products accumulated in registers): narrow K tiles keep its accumulator in
+# registers (BK x BN floats over the threads).
 TILES = (
     (256, 64, None, 4, 4),
     (256, 128, None, 4, 3),
-    (256, 32, None, 4, 4),
-    (256, 64, None, 4, 6),
-    (512, 64, None, 4, 4),
-    (512, 32, None, 4, 4),
-    (256, 128, None, 4, 4),
-    (512, 128, None, 4, 3),
-    (256, 64, None, 2, 4),
-    (1024, 32, None, 4, 4),
 )
+GEMV_TILES = (
+    (256, 32, None, 4, 4),
+    (256, 16, None, 4, 4),
+    (512, 16, None, 4, 4),
+    (128, 32, None, 4, 4),
+    (256, 32, None, 8, 4),
+    (256, 32, None, 4, 6),
+    (512, 32, None, 8, 4),
+)
+COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
+ROWS1 = "+rows1"  # ...: the stream not padded to 8 rows (KernelConfig(gemm_rows=0))
 STEP_CASES = (
     "8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4",
+    "8b:1:4096:1:1:int8" + ROWS1, "8b:1:4096:1:1:int4" + ROWS1,
     "8b:1:4096:1:1:int8" + XLA, "8b:1:4096:1:1:int4" + XLA,
 )  # fmt: skip
-SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1")
-SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA)
+SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1", "smol:1:1024:1:1:q4_1" + ROWS1)
+SMOKE_CASES = (
+    "smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA,
+    "smoke:1:64:1:1:q4_1" + ROWS1,
+)  # fmt: skip
 PROMPT = "Write a Python function that checks whether a number is prime."
 GB = 1e9
 
@@ -112,33 +118,38 @@ def check(smoke: bool) -> dict:
     rng = np.random.default_rng(0)
     for bits, group in ((8, None), (4, 128)):
         w = quant.quantize(jnp.asarray(rng.standard_normal((512, 384)), jnp.float32), bits, group)
-        x = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
-        got = jnp.sum(quant_linear.qmatmul(x, w, **mode), axis=0)
-        want = quant_linear.qmatmul_reference(x, w)
-        out[f"int{bits}_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        for m, suffix in ((8, ""), (1, "_one_row")):
+            x = jnp.asarray(rng.standard_normal((m, 512)), jnp.float32)
+            got = jnp.sum(quant_linear.qmatmul(x, w, **mode), axis=0)
+            want = quant_linear.qmatmul_reference(x, w)
+            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            out[f"int{bits}{suffix}_max_rel_err"] = err
     return out
 
 
-def _product_us(product, x, w) -> float:
-    """Microseconds of one ``product(x, w)`` (``[M, N]``), back to back in one jitted loop. The
-    weight is an argument, not a constant XLA could fold; a dequantize that XLA hoisted out of
-    the loop would show as GB/s of packed bytes past the HBM's 4.8 TB/s."""
+def _product_us(product, x, ws) -> float:
+    """Microseconds of one ``product(x, w)`` (``[M, N]``), back to back in one jitted loop over
+    the distinct weights ``ws`` (``COPIES`` of them: one weight read again and again would be
+    served from L2). The weights are arguments, not constants XLA could fold; a dequantize that
+    XLA hoisted out of the loop would show as GB/s of packed bytes past the HBM's 4.8 TB/s."""
 
-    def step(s, w):
-        y = product(s, w)
-        return s + (y[:, :1] * 0).astype(s.dtype)  # each call waits for the one before
+    def step(s, ws):
+        for w in ws:
+            y = product(s, w)
+            s = s + (y[:, :1] * 0).astype(s.dtype)  # each call waits for the one before
+        return s
 
     run = jax.jit(repeat(step), donate_argnums=0)
-    return 1e3 * loop_ms(run, x, w, n=16, reps=5)
+    return 1e3 * loop_ms(run, x, ws, n=8, reps=5) / len(ws)
 
 
-def _kernel(tile):
-    """``qmatmul`` with ``tile``, its partials summed."""
+def _kernel(tile, gemv: bool = False):
+    """``qmatmul`` with ``tile``, its partials summed (``gemv``: the one-row kernel)."""
     bn, bk, splits, warps, stages = tile
     interpret = jax.default_backend() != "gpu"
     return lambda x, w: jnp.sum(quant_linear.qmatmul(
         x, w, interpret=interpret, bn=bn, bk=bk, splits=splits, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, gemv=gemv,
     ), axis=0)  # fmt: skip
 
 
@@ -150,42 +161,66 @@ def _xla(x, w):
 
 def _timed(product, x: dict, weights: dict) -> dict:
     """Microseconds and GB/s (of each weight's bytes as stored) on every sweep shape."""
-    times = {name: _product_us(product, x[name], w) for name, w in weights.items()}
-    nbytes = {name: w.nbytes for name, w in weights.items()}
+    times = {name: _product_us(product, x[name], ws) for name, ws in weights.items()}
+    nbytes = {name: _nbytes(ws[0]) for name, ws in weights.items()}
     return {
         "us": {k: round(v, 2) for k, v in times.items()},
         "gb_per_s": {k: round(nbytes[k] / GB / (times[k] * 1e-6), 1) for k in times},
     }
 
 
+def _nbytes(w) -> int:
+    return w.nbytes if quant.is_quantized(w) else w.size * w.dtype.itemsize
+
+
+def _best(measured: list[dict], **match) -> list | None:
+    """The tile of the least total time among the kernel rows matching ``match``."""
+    ok = [r for r in measured if "us" in r and all(r.get(k) == v for k, v in match.items())]
+    return min(ok, key=lambda r: sum(r["us"].values()))["tile"] if ok else None
+
+
 def sweep(smoke: bool) -> dict:
-    """Each tile's time on the sweep shapes, per bits, the XLA path's and the dense bf16 GEMM's;
-    the fastest tile per bits, and whether the XLA path beat it."""
+    """Each tile's time on the sweep shapes, per bits and rows (8: the tensor cores; 1: both
+    the one-row kernel and the tensor cores' padded tile), the XLA path's and the dense bf16
+    GEMM's at the same rows; the fastest tile per (bits, rows), and whether XLA beat it."""
     shapes = {"tiny": (256, 512)} if smoke else SWEEP_SHAPES
+    copies = 1 if smoke else COPIES
     rng = np.random.default_rng(0)
-    dense = {n: jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for n, s in shapes.items()}
-    x = {name: jnp.ones((8, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
-    rows = [{"path": "bf16 dense, jnp.dot", **_timed(_xla, x, dense)}]
-    best, xla_faster = {}, {}
-    for bits, group in ((8, None), (4, 128)):
-        weights = {
-            name: quant.quantize(w, bits, group, scale_dtype=jnp.float16)
-            for name, w in dense.items()
-        }
-        xla = _timed(_xla, x, weights)
-        rows.append({"bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
-        totals = {}
-        for tile in TILES:
-            try:
-                row = _timed(_kernel(tile), x, weights)
-            except Exception as e:  # a tile Triton cannot compile is a row, not the end
-                rows.append({"bits": bits, "tile": tile, "error": f"{type(e).__name__}: {e}"[:300]})
-                continue
-            rows.append({"bits": bits, "path": "qmatmul", "tile": list(tile), **row})
-            totals[tile] = sum(row["us"].values())
-        if totals:
-            best[bits] = list(min(totals, key=totals.get))
-            xla_faster[bits] = sum(xla["us"].values()) < totals[tuple(best[bits])]
+    dense = {
+        n: [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for _ in range(copies)]
+        for n, s in shapes.items()
+    }
+    rows, best, xla_faster = [], {}, {}
+    for m in (8, 1):
+        x = {name: jnp.ones((m, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
+        rows.append({"rows": m, "path": "bf16 dense, jnp.dot", **_timed(_xla, x, dense)})
+        for bits, group in ((8, None), (4, 128)):
+            weights = {
+                name: [quant.quantize(w, bits, group, scale_dtype=jnp.float16) for w in ws]
+                for name, ws in dense.items()
+            }
+            xla = _timed(_xla, x, weights)
+            rows.append({"rows": m, "bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
+            paths = [("qmatmul", False, TILES)] + ([("qgemv", True, GEMV_TILES)] if m == 1 else [])
+            for path, gemv, tiles in paths:
+                for tile in tiles:
+                    head = {"rows": m, "bits": bits, "path": path, "tile": list(tile)}
+                    try:
+                        rows.append({**head, **_timed(_kernel(tile, gemv), x, weights)})
+                    except Exception as e:  # a tile Triton cannot compile is a row, not the end
+                        rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(json.dumps(rows[-1]), flush=True)
+            key = f"{bits}:{m}"
+            for path in ("qmatmul", "qgemv"):
+                tile = _best(rows, rows=m, bits=bits, path=path)
+                if tile:
+                    best[f"{key}:{path}"] = tile
+            kern = [
+                sum(r["us"].values()) for r in rows
+                if r.get("rows") == m and r.get("bits") == bits and "tile" in r and "us" in r
+            ]  # fmt: skip
+            if kern:
+                xla_faster[key] = sum(xla["us"].values()) < min(kern)
     return {"rows": rows, "best_tile": best, "xla_faster": xla_faster}
 
 
@@ -195,15 +230,19 @@ def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     base = KernelConfig.from_env()
     for text in cases:
-        spec, xla = text.removesuffix(XLA), text.endswith(XLA)
+        spec, xla, one_row = text, text.endswith(XLA), text.endswith(ROWS1)
+        spec = spec.removesuffix(XLA).removesuffix(ROWS1)
         case = Case.parse(spec)
-        name = case.name + (XLA if xla else "")
+        name = case.name + (XLA if xla else "") + (ROWS1 if one_row else "")
         kernels = base
         bits = {"int8": 8, "q8_0": 8}.get(case.quant, 4)
+        if one_row:  # the stream unpadded: a B=1 step's projections take the one-row kernel
+            kernels = dataclasses.replace(kernels, gemm_rows=0)
+        tile = tiles.get(f"{bits}:1:qgemv" if one_row else f"{bits}:8:qmatmul")
         if xla:
-            kernels = dataclasses.replace(base, quant_matmul="xla")
-        elif case.quant != "bf16" and tiles.get(bits):
-            kernels = dataclasses.replace(base, quant_tile=tuple(tiles[bits]))
+            kernels = dataclasses.replace(kernels, quant_matmul="xla")
+        elif case.quant != "bf16" and tile:
+            kernels = dataclasses.replace(kernels, quant_tile=tuple(tile))
         try:
             row = run_case(case, 8 if smoke else 32, 2 if smoke else 5, 4.3, dtype, kernels)
             layers = SHAPES[case.shape].num_layers
@@ -256,9 +295,11 @@ def headline(gpu: dict) -> dict:
         if a and b:
             out[f"{q}_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
             out[f"{q}_of_floor_8b"] = a["floor_over_ms"]
-        a = rows.get(f"8b:1:4096:1:1:{q}{XLA}")
-        if a and b:
-            out[f"{q}_xla_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
+        for suffix in (XLA, ROWS1):
+            a = rows.get(f"8b:1:4096:1:1:{q}{suffix}")
+            if a and b:
+                key = f"{q}_{suffix[1:]}_over_bf16_8b"
+                out[key] = round(a["ms_per_step"] / b["ms_per_step"], 3)
     a, b = rows.get("smol:1:1024:1:1:q4_1"), rows.get("smol:1:1024:1:1")
     if a and b:
         out["smol_q4_1_over_bf16"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
@@ -278,11 +319,12 @@ def table_rows(device: str, run: dict) -> list[dict]:
         if "ms_per_step" not in r:
             out.append({"device": device, "case": r["case"], "error": r.get("error")})
             continue
-        plain = r["case"].removesuffix(XLA)
+        plain = r["case"].removesuffix(XLA).removesuffix(ROWS1)
         base = steps_by.get(plain.rsplit(":", 1)[0] if r["quant"] != "bf16" else plain)
         out.append({
             "device": device, "case": r["case"],
-            "weights": r["quant"] + (" (xla path)" if r["case"].endswith(XLA) else ""),
+            "weights": r["quant"] + (" (xla path)" if r["case"].endswith(XLA) else "")
+            + (" (one-row kernel)" if r["case"].endswith(ROWS1) else ""),
             "ms_per_step": r["ms_per_step"], "bf16_ms_per_step": base and base["ms_per_step"],
             "over_bf16": base and round(r["ms_per_step"] / base["ms_per_step"], 3),
             "floor_ms": r["floor_ms"], "of_floor": r["floor_over_ms"],
@@ -340,7 +382,7 @@ def main():
             run["check"] = check(args.smoke)
         elif section == "sweep":
             run["sweep"] = sweep(args.smoke)
-            tiles = {int(b): t for b, t in run["sweep"]["best_tile"].items()}
+            tiles = run["sweep"]["best_tile"]
         elif section == "steps":
             cases = SMOKE_CASES if args.smoke else STEP_CASES + SMOL_CASES
             run["steps"] = steps(cases, tiles, args.smoke)
