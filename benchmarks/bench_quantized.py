@@ -65,38 +65,24 @@ from jaxspec.timing import loop_ms, repeat
 from pallas_kernels import quant, quant_linear
 
 SECTIONS = ("check", "sweep", "steps", "real")
-# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan. Eight rows (the tensor
-# cores): the two H200 sweeps of the scale-row kernel (2026-12-03, benchmarks/notes/quantized.md)
-# put every 256-wide tile within ~10% of another; these are their winners. One row (the
-# ``_gemv_kernel``, products accumulated in registers): narrow K tiles keep its accumulator in
-# registers (BK x BN floats over the threads).
+# (BN, BK, K splits, warps, stages), K splits by quant_linear.plan: the two H200 sweeps of the
+# scale-row kernel (2026-12-03, benchmarks/notes/quantized.md) put every 256-wide tile within
+# ~10% of another; these are their winners. A one-row kernel that accumulated its products in
+# registers (no tensor cores) was 1.4-2.5x slower than the padded tile on every tile tried
+# (2026-12-06, f48fdbb, notes), and is gone.
 TILES = (
     (256, 64, None, 4, 4),
     (256, 128, None, 4, 3),
 )
-GEMV_TILES = (
-    (256, 32, None, 4, 4),
-    (256, 16, None, 4, 4),
-    (512, 16, None, 4, 4),
-    (128, 32, None, 4, 4),
-    (256, 32, None, 8, 4),
-    (256, 32, None, 4, 6),
-    (512, 32, None, 8, 4),
-)
 COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
-ROWS1 = "+rows1"  # ...: the stream not padded to 8 rows (KernelConfig(gemm_rows=0))
 STEP_CASES = (
     "8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4",
-    "8b:1:4096:1:1:int8" + ROWS1, "8b:1:4096:1:1:int4" + ROWS1,
     "8b:1:4096:1:1:int8" + XLA, "8b:1:4096:1:1:int4" + XLA,
 )  # fmt: skip
-SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1", "smol:1:1024:1:1:q4_1" + ROWS1)
-SMOKE_CASES = (
-    "smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA,
-    "smoke:1:64:1:1:q4_1" + ROWS1,
-)  # fmt: skip
+SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1")
+SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA)
 PROMPT = "Write a Python function that checks whether a number is prime."
 GB = 1e9
 
@@ -143,13 +129,13 @@ def _product_us(product, x, ws) -> float:
     return 1e3 * loop_ms(run, x, ws, n=8, reps=5) / len(ws)
 
 
-def _kernel(tile, gemv: bool = False):
-    """``qmatmul`` with ``tile``, its partials summed (``gemv``: the one-row kernel)."""
+def _kernel(tile):
+    """``qmatmul`` with ``tile``, its partials summed."""
     bn, bk, splits, warps, stages = tile
     interpret = jax.default_backend() != "gpu"
     return lambda x, w: jnp.sum(quant_linear.qmatmul(
         x, w, interpret=interpret, bn=bn, bk=bk, splits=splits, num_warps=warps,
-        num_stages=stages, gemv=gemv,
+        num_stages=stages,
     ), axis=0)  # fmt: skip
 
 
@@ -180,9 +166,10 @@ def _best(measured: list[dict], **match) -> list | None:
 
 
 def sweep(smoke: bool) -> dict:
-    """Each tile's time on the sweep shapes, per bits and rows (8: the tensor cores; 1: both
-    the one-row kernel and the tensor cores' padded tile), the XLA path's and the dense bf16
-    GEMM's at the same rows; the fastest tile per (bits, rows), and whether XLA beat it."""
+    """Each tile's time on the sweep shapes, per bits and rows (8, as the model pads a step's
+    stream on a GPU, and 1: the kernel pads every step to 16 rows), the XLA path's and the
+    dense bf16 GEMM's at the same rows; the fastest tile per ``"bits:rows"``, and whether the
+    XLA path beat it."""
     shapes = {"tiny": (256, 512)} if smoke else SWEEP_SHAPES
     copies = 1 if smoke else COPIES
     rng = np.random.default_rng(0)
@@ -201,20 +188,17 @@ def sweep(smoke: bool) -> dict:
             }
             xla = _timed(_xla, x, weights)
             rows.append({"rows": m, "bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
-            paths = [("qmatmul", False, TILES)] + ([("qgemv", True, GEMV_TILES)] if m == 1 else [])
-            for path, gemv, tiles in paths:
-                for tile in tiles:
-                    head = {"rows": m, "bits": bits, "path": path, "tile": list(tile)}
-                    try:
-                        rows.append({**head, **_timed(_kernel(tile, gemv), x, weights)})
-                    except Exception as e:  # a tile Triton cannot compile is a row, not the end
-                        rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(json.dumps(rows[-1]), flush=True)
+            for tile in TILES:
+                head = {"rows": m, "bits": bits, "path": "qmatmul", "tile": list(tile)}
+                try:
+                    rows.append({**head, **_timed(_kernel(tile), x, weights)})
+                except Exception as e:  # a tile Triton cannot compile is a row, not the end
+                    rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(json.dumps(rows[-1]), flush=True)
             key = f"{bits}:{m}"
-            for path in ("qmatmul", "qgemv"):
-                tile = _best(rows, rows=m, bits=bits, path=path)
-                if tile:
-                    best[f"{key}:{path}"] = tile
+            tile = _best(rows, rows=m, bits=bits, path="qmatmul")
+            if tile:
+                best[key] = tile
             kern = [
                 sum(r["us"].values()) for r in rows
                 if r.get("rows") == m and r.get("bits") == bits and "tile" in r and "us" in r
@@ -230,15 +214,12 @@ def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     base = KernelConfig.from_env()
     for text in cases:
-        spec, xla, one_row = text, text.endswith(XLA), text.endswith(ROWS1)
-        spec = spec.removesuffix(XLA).removesuffix(ROWS1)
+        spec, xla = text.removesuffix(XLA), text.endswith(XLA)
         case = Case.parse(spec)
-        name = case.name + (XLA if xla else "") + (ROWS1 if one_row else "")
+        name = case.name + (XLA if xla else "")
         kernels = base
         bits = {"int8": 8, "q8_0": 8}.get(case.quant, 4)
-        if one_row:  # the stream unpadded: a B=1 step's projections take the one-row kernel
-            kernels = dataclasses.replace(kernels, gemm_rows=0)
-        tile = tiles.get(f"{bits}:1:qgemv" if one_row else f"{bits}:8:qmatmul")
+        tile = tiles.get(f"{bits}:8")
         if xla:
             kernels = dataclasses.replace(kernels, quant_matmul="xla")
         elif case.quant != "bf16" and tile:
@@ -295,11 +276,9 @@ def headline(gpu: dict) -> dict:
         if a and b:
             out[f"{q}_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
             out[f"{q}_of_floor_8b"] = a["floor_over_ms"]
-        for suffix in (XLA, ROWS1):
-            a = rows.get(f"8b:1:4096:1:1:{q}{suffix}")
-            if a and b:
-                key = f"{q}_{suffix[1:]}_over_bf16_8b"
-                out[key] = round(a["ms_per_step"] / b["ms_per_step"], 3)
+        a = rows.get(f"8b:1:4096:1:1:{q}{XLA}")
+        if a and b:
+            out[f"{q}_xla_over_bf16_8b"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
     a, b = rows.get("smol:1:1024:1:1:q4_1"), rows.get("smol:1:1024:1:1")
     if a and b:
         out["smol_q4_1_over_bf16"] = round(a["ms_per_step"] / b["ms_per_step"], 3)
@@ -319,12 +298,11 @@ def table_rows(device: str, run: dict) -> list[dict]:
         if "ms_per_step" not in r:
             out.append({"device": device, "case": r["case"], "error": r.get("error")})
             continue
-        plain = r["case"].removesuffix(XLA).removesuffix(ROWS1)
+        plain = r["case"].removesuffix(XLA)
         base = steps_by.get(plain.rsplit(":", 1)[0] if r["quant"] != "bf16" else plain)
         out.append({
             "device": device, "case": r["case"],
-            "weights": r["quant"] + (" (xla path)" if r["case"].endswith(XLA) else "")
-            + (" (one-row kernel)" if r["case"].endswith(ROWS1) else ""),
+            "weights": r["quant"] + (" (xla path)" if r["case"].endswith(XLA) else ""),
             "ms_per_step": r["ms_per_step"], "bf16_ms_per_step": base and base["ms_per_step"],
             "over_bf16": base and round(r["ms_per_step"] / base["ms_per_step"], 3),
             "floor_ms": r["floor_ms"], "of_floor": r["floor_over_ms"],

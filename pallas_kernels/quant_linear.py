@@ -54,8 +54,6 @@ DOT_ROWS = 16  # tensor-core rows: qmatmul pads every step to them; fused kernel
 # ranking them differently run to run; in the decode steps this tile took Llama-3-8B's int8
 # step to 5.3-5.7 ms (29.6 with the per-element scale gathers) and int4 to 4.9-5.1 (13.1)
 BN, BK, NUM_WARPS, NUM_STAGES = 256, 128, 4, 3
-# one-row steps (``_gemv_kernel``): PENDING its H200 sweep (bench_quantized.py "sweep")
-GEMV_TILE = (256, 32, 4, 4)  # (BN, BK, warps, stages)
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -269,46 +267,8 @@ def _kernel(x_ref, *refs, spec, m, k, n, bn, bk, tiles, rows, dt):
     plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(c, bn)], acc, mask=live)
 
 
-def x_column(x_ref, cols, limit: int):
-    """``x_ref[0, cols]`` as a float32 column ``[L, 1]`` (``cols`` as ``load_cols`` takes them),
-    zero past ``limit``: one row's activations against the rows of K of a weight tile."""
-    idx = cols[0] + jnp.arange(cols[1]) if isinstance(cols, tuple) else cols
-    ok = idx < limit
-    rr = jnp.zeros((idx.shape[0], 1), jnp.int32)
-    cc = jnp.where(ok, idx, 0)[:, None]
-    return plgpu.load(x_ref.at[rr, cc], mask=ok[:, None], other=0.0).astype(jnp.float32)
-
-
-def _gemv_kernel(x_ref, *refs, spec, k, n, bn, bk, tiles, dt):
-    """One row: each tile's products accumulate element by element in float32 registers (a
-    ``[bk, bn]`` accumulator, two ``[bk / 2, bn]`` for 4 bits), summed over K once at the end;
-    the tensor cores' 16-row tile would waste 15 rows, and a sum per tile moves every product
-    between threads."""
-    (w,), o_ref = regroup(refs[:-1], (spec,)), refs[-1]
-    j, s = pl.program_id(0), pl.program_id(1)
-    c = pl.multiple_of(j * bn, bn)
-    widths = (bk // 2, bk // 2) if w.bits == 4 else (bk,)
-
-    def body(i, accs):
-        k0 = pl.multiple_of((s * tiles + i) * bk, bk)
-        pairs = weight_tiles(w, k0, bk, c, bn, k, n, dt)
-        return tuple(
-            acc + x_column(x_ref, cols, k) * tile.astype(jnp.float32)
-            for acc, (cols, tile) in zip(accs, pairs, strict=True)
-        )
-
-    accs = tuple(jnp.zeros((width, bn), jnp.float32) for width in widths)
-    accs = body(0, accs) if tiles == 1 else jax.lax.fori_loop(0, tiles, body, accs)
-    y = jnp.sum(accs[0], axis=0, keepdims=True)
-    for acc in accs[1:]:
-        y = y + jnp.sum(acc, axis=0, keepdims=True)
-    live = ((c + jnp.arange(bn)) < n)[None, :]
-    plgpu.store(o_ref.at[s, pl.ds(0, 1), pl.ds(c, bn)], y, mask=live)
-
-
 @functools.partial(
-    jax.jit,
-    static_argnames=("interpret", "bn", "bk", "splits", "num_warps", "num_stages", "gemv"),
+    jax.jit, static_argnames=("interpret", "bn", "bk", "splits", "num_warps", "num_stages")
 )
 def qmatmul(
     x: Float[Array, "m k"],
@@ -320,39 +280,28 @@ def qmatmul(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    gemv: bool | None = None,
 ) -> Float[Array, "s m n"]:
     """``x @ w`` as float32 partial sums ``[S, M, N]`` (their sum is the product; see the
     module docstring). ``bn`` columns and ``bk`` rows of K a tile, ``splits`` K splits (None:
-    by ``plan``). ``gemv``: one row on the CUDA cores (``_gemv_kernel``; None: when ``M`` is 1),
-    its tile defaults ``GEMV_TILE``."""
+    by ``plan``)."""
     why = unsupported_reason(x, w)
     if why is not None:
         raise ValueError(f"qmatmul: {why}")
     (m, k), n = x.shape, w.shape[1]
-    gemv = m == 1 if gemv is None else gemv
-    if gemv and m != 1:
-        raise ValueError(f"qmatmul: gemv takes one row, not {m}")
+    bn, bk = bn or BN, bk or BK
     arrays, spec = operands(w)
-    tile = GEMV_TILE if gemv else (BN, BK, NUM_WARPS, NUM_STAGES)
-    bn, bk = bn or tile[0], bk or tile[1]
     n_split, tiles = plan(k, n, bn, bk, splits, spec)
-    if gemv:
-        kern = functools.partial(
-            _gemv_kernel, spec=spec, k=k, n=n, bn=bn, bk=bk, tiles=tiles, dt=x.dtype
-        )
-    else:
-        kern = functools.partial(
-            _kernel, spec=spec, m=m, k=k, n=n, bn=bn, bk=bk, tiles=tiles, rows=DOT_ROWS,
-            dt=x.dtype,
-        )  # fmt: skip
+    kern = functools.partial(
+        _kernel, spec=spec, m=m, k=k, n=n, bn=bn, bk=bk, tiles=tiles, rows=DOT_ROWS,
+        dt=x.dtype,
+    )  # fmt: skip
     return pl.pallas_call(
         kern,
         grid=(math.ceil(n / bn), n_split),
         out_shape=jax.ShapeDtypeStruct((n_split, m, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or tile[2], num_stages=num_stages or tile[3]
+            num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES
         ),
         interpret=interpret,
-        name=f"q{'gemv' if gemv else 'matmul'}_int{w.bits}",
+        name=f"qmatmul_int{w.bits}",
     )(x, *arrays)

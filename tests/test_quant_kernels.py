@@ -137,28 +137,6 @@ def test_in_kernel_dequantization_is_bit_exact(fmt):
     np.testing.assert_array_equal(got, np.asarray(quant.dequantize(w))[pick])
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_one_row_kernel_is_bit_exact_and_equals_the_padded_tile(fmt):
-    """One row takes the one-row kernel (``gemv``): a one-hot row returns one row of the
-    dequantized weight to the bit (its accumulator holds one product and zeros), and a random
-    row's product equals both the reference and the tensor cores' padded tile (``gemv=False``).
-    K splits of unequal length, tiles past K's and N's ends."""
-    rng = np.random.default_rng(11)
-    k, n = 320, 72
-    w = random_weight(rng, k, n, fmt)
-    dense = np.asarray(quant.dequantize(w))
-    for i in rng.choice(k, 3, replace=False):
-        x = jnp.asarray(np.eye(k, dtype=np.float32)[i : i + 1])
-        got = _finite(jnp.sum(ql.qmatmul(x, w, interpret=INTERPRET, bn=32, bk=64, splits=2), 0))
-        np.testing.assert_array_equal(got, dense[i : i + 1])
-    x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
-    want = ql.qmatmul_reference(x, w)
-    for gemv in (True, False):
-        got = ql.qmatmul(x, w, interpret=INTERPRET, bn=32, bk=64, splits=3, gemv=gemv)
-        assert got.shape == (3, 1, n)
-        _close(jnp.sum(got, axis=0), want, jnp.float32)
-
-
 @pytest.mark.parametrize("bits, group, bk", [(8, 48, 64), (4, 96, 128)])
 def test_groups_of_no_power_of_two_take_a_scale_row_per_run(bits, group, bk):
     """Tiles of 64 (128) rows cut groups of 48 (96) in the middle: the kernel takes a scale row
@@ -202,8 +180,6 @@ def test_qmatmul_refuses_what_it_cannot_take():
     assert ql.unsupported_reason(jnp.zeros((2, 64)), w) is None
     with pytest.raises(ValueError, match="bk >= 32"):
         ql.qmatmul(jnp.zeros((2, 64)), w, interpret=True, bk=16)
-    with pytest.raises(ValueError, match="one row"):
-        ql.qmatmul(jnp.zeros((2, 64)), w, interpret=True, gemv=True)
     assert ql.plan(4096, 4096, 64, 256, None) == (4, 4)  # 64 column tiles, 4 K splits
     assert ql.plan(4096, 14336, 64, 256, None) == (1, 16)
 
