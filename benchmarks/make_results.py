@@ -294,7 +294,9 @@ def method_table(d: dict) -> str:
     rows = plots_mod.method_rows(d)
     n = d.get("prompts")
     bench = "methods" in d
-    head = ["method", "draft", "options", "tokens/s", "acceptance length"]
+    pooled = any("acceptance_length_pooled" in r for r in rows)
+    head = ["method", "draft", "options", "tokens/s"]
+    head += ["acceptance length (pooled)" if pooled else "acceptance length"]
     head += ["ms/token p50", "p95", "vs first", "same tokens"] if bench else ["vs autoregressive"]
     same_col = not bench and any("identical_to_autoregressive" in r for r in rows)
     if same_col:
@@ -338,7 +340,10 @@ def method_table(d: dict) -> str:
             speedup = r.get("speedup_vs_ar", r.get("speedup_vs_autoregressive"))
             line += [
                 r.get("tokens_per_s"),
-                r.get("acceptance_length_mean", r.get("acceptance_length")),
+                r.get(
+                    "acceptance_length_pooled",
+                    r.get("acceptance_length_mean", r.get("acceptance_length")),
+                ),
                 f"{fmt(speedup)}x",
             ]
             if same_col:
