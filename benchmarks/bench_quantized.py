@@ -42,7 +42,6 @@ float baseline of the same run beside it (steps: kernels per layer too).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import pathlib
@@ -78,13 +77,11 @@ TILES = (
 COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
-NOPF = "+noprefetch"  # ...: quant_linear.PREFETCH off (PENDING A/B)
 STEP_CASES = (
     "8b:1:4096:1", "8b:1:4096:1:1:int8", "8b:1:4096:1:1:int4",
-    "8b:1:4096:1:1:int8" + NOPF, "8b:1:4096:1:1:int4" + NOPF,
     "8b:1:4096:1:1:int8" + XLA, "8b:1:4096:1:1:int4" + XLA,
 )  # fmt: skip
-SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1", "smol:1:1024:1:1:q4_1" + NOPF)
+SMOL_CASES = ("smol:1:1024:1", "smol:1:1024:1:1:q4_1")
 SMOKE_CASES = ("smoke:1:64:1", "smoke:1:64:1:1:q4_1", "smoke:1:64:1:1:q4_1" + XLA)
 PROMPT = "Write a Python function that checks whether a number is prime."
 GB = 1e9
@@ -158,19 +155,6 @@ def _timed(product, x: dict, weights: dict) -> dict:
     }
 
 
-@contextlib.contextmanager
-def _prefetch(on: bool):
-    """``quant_linear.PREFETCH`` set to ``on`` (PENDING A/B), the traces that read it dropped."""
-    was = quant_linear.PREFETCH
-    quant_linear.PREFETCH = on
-    jax.clear_caches()
-    try:
-        yield
-    finally:
-        quant_linear.PREFETCH = was
-        jax.clear_caches()
-
-
 def _nbytes(w) -> int:
     return w.nbytes if quant.is_quantized(w) else w.size * w.dtype.itemsize
 
@@ -205,17 +189,14 @@ def sweep(smoke: bool) -> dict:
             xla = _timed(_xla, x, weights)
             rows.append({"rows": m, "bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
             for tile in TILES:
-                for prefetch in (True, False):
-                    head = {"rows": m, "bits": bits, "path": "qmatmul", "tile": list(tile),
-                            "prefetch": prefetch}  # fmt: skip
-                    try:
-                        with _prefetch(prefetch):
-                            rows.append({**head, **_timed(_kernel(tile), x, weights)})
-                    except Exception as e:  # a tile Triton cannot compile is a row, not the end
-                        rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(json.dumps(rows[-1]), flush=True)
+                head = {"rows": m, "bits": bits, "path": "qmatmul", "tile": list(tile)}
+                try:
+                    rows.append({**head, **_timed(_kernel(tile), x, weights)})
+                except Exception as e:  # a tile Triton cannot compile is a row, not the end
+                    rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(json.dumps(rows[-1]), flush=True)
             key = f"{bits}:{m}"
-            tile = _best(rows, rows=m, bits=bits, path="qmatmul", prefetch=True)
+            tile = _best(rows, rows=m, bits=bits, path="qmatmul")
             if tile:
                 best[key] = tile
             kern = [
@@ -233,10 +214,9 @@ def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
     dtype = jnp.float32 if smoke else jnp.bfloat16
     base = KernelConfig.from_env()
     for text in cases:
-        spec, xla, nopf = text.removesuffix(XLA), text.endswith(XLA), text.endswith(NOPF)
-        spec = spec.removesuffix(NOPF)
+        spec, xla = text.removesuffix(XLA), text.endswith(XLA)
         case = Case.parse(spec)
-        name = case.name + (XLA if xla else "") + (NOPF if nopf else "")
+        name = case.name + (XLA if xla else "")
         kernels = base
         bits = {"int8": 8, "q8_0": 8}.get(case.quant, 4)
         tile = tiles.get(f"{bits}:8")
@@ -245,8 +225,7 @@ def steps(cases, tiles: dict, smoke: bool) -> list[dict]:
         elif case.quant != "bf16" and tile:
             kernels = dataclasses.replace(kernels, quant_tile=tuple(tile))
         try:
-            with _prefetch(not nopf):
-                row = run_case(case, 8 if smoke else 32, 2 if smoke else 5, 4.3, dtype, kernels)
+            row = run_case(case, 8 if smoke else 32, 2 if smoke else 5, 4.3, dtype, kernels)
             layers = SHAPES[case.shape].num_layers
             row["kernels_per_layer"] = round((row["fusion_ops"] + row["custom_calls"]) / layers, 2)
             row["case"] = name
@@ -319,7 +298,7 @@ def table_rows(device: str, run: dict) -> list[dict]:
         if "ms_per_step" not in r:
             out.append({"device": device, "case": r["case"], "error": r.get("error")})
             continue
-        plain = r["case"].removesuffix(XLA).removesuffix(NOPF)
+        plain = r["case"].removesuffix(XLA)
         base = steps_by.get(plain.rsplit(":", 1)[0] if r["quant"] != "bf16" else plain)
         out.append({
             "device": device, "case": r["case"],

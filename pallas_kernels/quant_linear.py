@@ -123,12 +123,14 @@ def scale_run(group: int, bk: int, kdim: int) -> int:
     return bk if group == kdim else min(bk, group & -group)
 
 
-def _scale_rows(w: Weight, k0, bk: int, c, bn: int, kdim: int, col_ok):
-    """The distinct scale rows (and mins) of the tile of rows ``[k0, k0 + bk)`` of K, columns
-    ``[c, c + bn)``, as stored: ``[1, bn]`` when the tile lies in one group, else one row per
-    run of ``scale_run`` rows (``_spread`` repeats them over the tile's rows)."""
+def _scales(w: Weight, k0, bk: int, c, bn: int, kdim: int, col_ok):
+    """Scales (and mins) in float32 for the tile of rows ``[k0, k0 + bk)`` of K, columns
+    ``[c, c + bn)``: ``[1, bn]`` when the tile lies in one group (it broadcasts over the tile's
+    rows), else one row per run of ``scale_run`` rows, repeated over the run's rows of the
+    codes (``run`` rows of 8-bit codes, ``run / 2`` packed rows of 4-bit ones). Only the tile's
+    distinct scale rows are loaded."""
     run = scale_run(w.group, bk, kdim)
-    runs = bk // run
+    runs, per = bk // run, run * w.bits // 8
     starts = k0 + jnp.arange(runs) * run
     live = starts < kdim
     shape = (runs, bn)
@@ -136,70 +138,43 @@ def _scale_rows(w: Weight, k0, bk: int, c, bn: int, kdim: int, col_ok):
     cc = jnp.broadcast_to(c + jnp.arange(bn)[None, :], shape)
 
     def load(ref):
-        return plgpu.load(ref.at[gg, cc], mask=live[:, None] & col_ok, other=0.0)
+        v = plgpu.load(ref.at[gg, cc], mask=live[:, None] & col_ok, other=0.0)
+        v = v.astype(jnp.float32)
+        if runs == 1:
+            return v
+        return jnp.broadcast_to(v[:, None, :], (runs, per, bn)).reshape(runs * per, bn)
 
     return load(w.refs[1]), load(w.refs[2]) if len(w.refs) > 2 else None
 
 
-def _spread(w: Weight, rows, bk: int, kdim: int):
-    """Scale rows (``_scale_rows``) in float32, one per row of the tile's codes (``run`` rows of
-    8-bit codes, ``run / 2`` packed rows of 4-bit ones), or ``[1, bn]`` to broadcast."""
-    if rows is None:
-        return None
-    v = rows.astype(jnp.float32)
-    run = scale_run(w.group, bk, kdim)
-    runs, per = bk // run, run * w.bits // 8
-    if runs == 1:
-        return v
-    return jnp.broadcast_to(v[:, None, :], (runs, per, v.shape[1])).reshape(runs * per, -1)
-
-
-def load_tile(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int) -> tuple:
-    """The stored arrays of the weight's tile at rows ``[k0, k0 + bk)`` of K, columns
-    ``[c, c + bn)``: its codes (or dense values) and scale rows, as loaded (``finish_tile``
-    makes float tiles of them). Split from ``finish_tile`` so that a loop can issue the next
-    tile's loads before this tile's arithmetic."""
+def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
+    """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles in ``dt``,
+    each with the rows of K it holds (``load_cols``' ``cols``): one tile for a dense or 8-bit
+    weight, two (low and high nibbles) for a 4-bit one. Past the weight's ends: zeros, or
+    finite values whose rows of K are past K (``load_cols`` reads those activations as zero)."""
     col_ok = ((c + jnp.arange(bn)) < n)[None, :]
     if w.bits is None or w.bits == 8:
         ok = ((k0 + jnp.arange(bk)) < kdim)[:, None] & col_ok
         tile = plgpu.load(w.refs[0].at[pl.ds(k0, bk), pl.ds(c, bn)], mask=ok, other=0)
         if w.bits is None:
-            return (tile,)
-        return (tile, *_scale_rows(w, k0, bk, c, bn, kdim, col_ok))
-    half = bk // 2
+            return [((k0, bk), tile)]
+        s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
+        return [((k0, bk), _finish(tile.astype(jnp.float32), s, m, 8, dt))]
+    half, ghalf = bk // 2, w.group // 2
     prow = k0 // 2 + jnp.arange(half)
     ok = (prow < kdim // 2)[:, None] & col_ok
     packed = plgpu.load(w.refs[0].at[pl.ds(k0 // 2, half), pl.ds(c, bn)], mask=ok, other=0)
-    return (packed, *_scale_rows(w, k0, bk, c, bn, kdim, col_ok))
-
-
-def finish_tile(w: Weight, loaded: tuple, k0, bk: int, kdim: int, dt):
-    """``load_tile``'s arrays as float tiles in ``dt``, each with the rows of K it holds
-    (``load_cols``' ``cols``): one tile for a dense or 8-bit weight, two (low and high nibbles)
-    for a 4-bit one. Past the weight's ends: zeros, or finite values whose rows of K are past K
-    (``load_cols`` reads those activations as zero)."""
-    if w.bits is None:
-        return [((k0, bk), loaded[0])]
-    codes, s, m = loaded[0], _spread(w, loaded[1], bk, kdim), _spread(w, loaded[2], bk, kdim)
-    if w.bits == 8:
-        return [((k0, bk), _finish(codes.astype(jnp.float32), s, m, 8, dt))]
-    half, ghalf = bk // 2, w.group // 2
-    lo = _finish((codes & 15).astype(jnp.float32), s, m, 4, dt)
-    hi = _finish((codes >> 4).astype(jnp.float32), s, m, 4, dt)
+    s, m = _scales(w, k0, bk, c, bn, kdim, col_ok)
+    lo = _finish((packed & 15).astype(jnp.float32), s, m, 4, dt)
+    hi = _finish((packed >> 4).astype(jnp.float32), s, m, 4, dt)
     if w.group % bk == 0:
         # the packed rows lie in group k0 // group, so their low rows are one run (a tile past
         # K's end starts past K, where the activations read as zero); else they are gathered
         # (groups smaller than bk; one group of all K whose last tile hangs past K's end)
         start = pl.multiple_of(k0 // 2 + (k0 // w.group) * ghalf, half)
         return [((start, half), lo), ((start + ghalf, half), hi)]
-    low = quant.low_row(k0 // 2 + jnp.arange(half), w.group)
+    low = quant.low_row(prow, w.group)
     return [(low, lo), (low + ghalf, hi)]
-
-
-def weight_tiles(w: Weight, k0, bk: int, c, bn: int, kdim: int, n: int, dt):
-    """The weight's rows ``[k0, k0 + bk)`` and columns ``[c, c + bn)`` as float tiles in ``dt``
-    with the rows of K each holds: ``finish_tile(load_tile(...))``."""
-    return finish_tile(w, load_tile(w, k0, bk, c, bn, kdim, n), k0, bk, kdim, dt)
 
 
 def tile_dot(a, w, rows: int):
@@ -272,41 +247,22 @@ def plan(k: int, n: int, bn: int, bk: int, splits: int | None, spec=(None,)) -> 
     return math.ceil(k_tiles / tiles), tiles
 
 
-PREFETCH = True  # PENDING the H200 A/B
-
-
 def _kernel(x_ref, *refs, spec, m, k, n, bn, bk, tiles, rows, dt):
     (w,), o_ref = regroup(refs[:-1], (spec,)), refs[-1]
     j, s = pl.program_id(0), pl.program_id(1)
     c = pl.multiple_of(j * bn, bn)
 
-    def fetch(i):
-        k0 = pl.multiple_of((s * tiles + jnp.minimum(i, tiles - 1)) * bk, bk)
-        return k0, load_tile(w, k0, bk, c, bn, k, n)
-
-    def multiply(acc, k0, loaded):
-        for cols, tile in finish_tile(w, loaded, k0, bk, k, dt):
+    def body(i, acc):
+        k0 = pl.multiple_of((s * tiles + i) * bk, bk)
+        # the codes' loads are issued before the activations' (a warp stalls at a load's first
+        # use, not at the load), so the two round trips overlap
+        pairs = weight_tiles(w, k0, bk, c, bn, k, n, dt)
+        for cols, tile in pairs:
             acc = acc + tile_dot(load_cols(x_ref, rows, m, cols, k), tile, rows)
         return acc
 
-    def body(i, carry):
-        # the next tile's codes are loaded before this tile's arithmetic: a tile's loads are
-        # always in flight (the loads feed arithmetic, not a dot, so Triton's pipeliner does
-        # not stage them)
-        acc, (k0, loaded) = carry
-        nxt = fetch(i + 1)
-        return multiply(acc, k0, loaded), nxt
-
-    def plain(i, acc):
-        return multiply(acc, *fetch(i))
-
     acc = jnp.zeros((rows, bn), jnp.float32)
-    if tiles == 1:
-        acc = plain(0, acc)
-    elif PREFETCH:
-        acc = jax.lax.fori_loop(0, tiles, body, (acc, fetch(0)))[0]
-    else:
-        acc = jax.lax.fori_loop(0, tiles, plain, acc)
+    acc = body(0, acc) if tiles == 1 else jax.lax.fori_loop(0, tiles, body, acc)
     live = (jnp.arange(rows) < m)[:, None] & ((c + jnp.arange(bn)) < n)[None, :]
     plgpu.store(o_ref.at[s, pl.ds(0, rows), pl.ds(c, bn)], acc, mask=live)
 
