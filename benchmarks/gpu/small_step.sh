@@ -14,6 +14,20 @@ probe() {  # SETTING CONTEXT [VAR=VALUE...]
   bench small_step_probe 150 env "$@" python3 benchmarks/probe_small.py --label "$setting" \
     --batch 1 --context "$context" --steps 32 --out "$OUT"
 }
+if [ "${1:-}" = attention ]; then
+  # `bash benchmarks/gpu/small_step.sh attention` (~3 min): the fused attention kernel's prefix
+  # split length and KV block (KernelConfig.attention_tile: min_split, block_k), decode_attention
+  # .plan's defaults (256, 128 slots of SmolLM2's 64-wide heads) against shorter splits, which
+  # give each program fewer sequential KV blocks; then the MagicDec self-draft shape's defaults
+  probe defaults_c1024 1024
+  for t in 128:128 64:64 128:64 32:32; do
+    IFS=: read -r ms bk <<< "$t"
+    probe "attn_split${ms}_k${bk}_c1024" 1024 JAXSPEC_ATTN_MIN_SPLIT="$ms" JAXSPEC_ATTN_BLOCK_K="$bk"
+  done
+  bench small_step_probe 150 python3 benchmarks/probe_small.py --label defaults_b128_c512 \
+    --batch 128 --context 512 --steps 16 --out "$OUT"
+  exit
+fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)
 probe plain_c1024 1024 "${plain[@]}"
 probe defaults_c1024 1024
