@@ -14,12 +14,15 @@ skipped and says so):
   (``quant_matmul="xla"``, no fused kernels), and the dequantizing kernel's products equal
   dequantize-then-matmul for int8 / int4 (max relative error).
 - ``sweep``: ``qmatmul`` alone on Llama-3-8B's gate/up (4096 x 14336) and down (14336 x 4096)
-  projections, 8 rows (the model pads a decode step's stream to 8 on a GPU), int8 and int4, for
-  each tile of ``TILES``: microseconds and GB/s of the bytes read; the tile with the least total
-  time per bits is the one ``steps`` uses. Beside them, per bits, the XLA path on the same
-  shapes (``quant.dequantize`` to bf16, then ``jnp.dot``, in one jitted loop: XLA may fuse the
-  convert into its GEMM; GB/s of the packed bytes), and once a bf16 ``jnp.dot`` of the dense
-  weight (GB/s of its bf16 bytes): the floor the quantized kernels must beat.
+  projections, at 8 rows (the model pads a decode step's stream to 8 on a GPU) and at 1 (the
+  kernel pads every step to 16 tensor-core rows), int8 and int4, for each tile of ``TILES``:
+  microseconds and GB/s of the bytes read, each loop cycling through ``COPIES`` distinct
+  weights (one weight re-read would come from L2); the tile with the least total time per
+  ``"bits:rows"`` (``best_tile``) is the one ``steps`` uses (its ``"bits:8"``). Beside them, per
+  bits and rows, the XLA path on the same shapes (``quant.dequantize`` to bf16, then ``jnp.dot``,
+  in one jitted loop: XLA may fuse the convert into its GEMM; GB/s of the packed bytes), and a
+  bf16 ``jnp.dot`` of the dense weights (GB/s of their bf16 bytes): the floor the quantized
+  kernels must beat.
 - ``steps``: ``bench_decode_gpu.run_case`` (one jitted loop of decode steps, cache donated) on
   Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128), each also
   through the XLA path (``+xla``: ``KernelConfig(quant_matmul="xla")``); then the SmolLM2-135M
