@@ -46,6 +46,8 @@ from benchmarks.common import (  # noqa: E402
     padded,
 )
 
+TREE_KEYS = ("depth", "width", "branch", "bs")
+
 
 def configs(gamma: int, budget: int, sinks: int, feature: bool = False):
     """(name, method, draft key, options)."""
@@ -161,7 +163,8 @@ def summarise(section: dict, cfgs, rows: dict, compile_s: dict) -> None:
             {
                 "name": name,
                 "method": method,
-                "options": opts,
+                # a tree's options as it ran them (its open ones resolved per draft kind)
+                "options": {**rs[0].get("tree_shape", {}), **opts} if rs else opts,
                 "prompts": len(rs),
                 "new_tokens": new,
                 "tokens_per_s": round(new / wall, 2),
@@ -249,6 +252,7 @@ def main(argv=None) -> int:
                     "acceptance_length": round(s["acceptance_length"], 4),
                     "target_steps": s["target_steps"],
                     "same_as_autoregressive": toks == ar,
+                    **({"tree_shape": {k: s[k] for k in TREE_KEYS}} if method == "tree" else {}),
                 }
             )
         summarise(section, cfgs, rows, compile_s)

@@ -226,7 +226,7 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
     """With a bigram target: the copy head accepts every draft (acceptance gamma + 1, or the
     tree's depth + 1), the negated one none (1.0), a noisy one some; always the same tokens."""
     full = {"chain": opts.get("gamma", 4) + 1, "magicdec": opts.get("gamma", 0) + 1}
-    full["tree"] = opts.get("depth", 4) + 1
+    full["tree"] = opts.get("depth", tree.FEATURE_SHAPE["depth"]) + 1
     if opts.get("shape") == "tree":
         full["magicdec"] = opts["depth"] + 1
     for seed in range(3):
@@ -244,6 +244,22 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
             got[name] = r.stats["acceptance_length"]
         assert got["full"] == pytest.approx(full[method], rel=0.15), got
         assert got["zero"] == 1.0 and 1.0 < got["some"] < got["full"], got
+
+
+def test_a_feature_drafts_tree_is_deeper_and_wider_where_its_shape_is_left_open():
+    """Depth and bs left open: a feature head's tree takes ``FEATURE_SHAPE`` (6 and 16), any
+    other draft 4 and 8; given values win for both."""
+    open_ = tree.Options()
+    assert open_.shape_for(feature=True) == tree.TreeShape(**tree.FEATURE_SHAPE)
+    assert open_.shape == open_.shape_for(feature=False) == tree.TreeShape(4, 8, 4, 8)
+    given = tree.Options(depth=3, bs=5)
+    assert given.shape_for(feature=True) == given.shape == tree.TreeShape(3, 8, 4, 5)
+    with pytest.raises(OptionError, match="depth"):
+        tree.Options(depth=0)
+    target = tiny.model(0)
+    r = generate(target, tiny.prompts(0, lengths=(5,)), draft=heads(target, 0), method="tree",
+                 max_new_tokens=4, width=2, branch=2)  # fmt: skip
+    assert (r.stats["depth"], r.stats["bs"]) == (6, 16)
 
 
 def test_swiftspec_refuses_a_feature_draft_and_sparse_caches_are_refused():
