@@ -8,16 +8,17 @@ target verification, summed over the prompts) and wall tokens/s against autoregr
         --merge-from ~/feature_draft.json --out $OUT/feature_draft.json     # GPU, one set a call
 
 Prompts: the first ``--prompts`` HumanEval prompts (OpenAI, MIT licence), raw: held out of both
-drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat, Apache-2.0) in
-the chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
+drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat, Apache-2.0) in the
+chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
 ``distilled``: chain, gamma 4, the shipped small draft; ``feature``: chain, gamma 4, the feature
-draft; ``feature-tree``: the tree engine's default shape with it; ``feature-chain6`` and
-``feature-tree-deep`` (depth 6, bs 16) on request. Each call is timed around ``generate`` as a
-user makes it (host work included); a call that compiled (a new prompt width) runs again and the
-second is timed. Every row's tokens are compared with autoregressive decoding's: in float32 they
-must all be equal (the script exits 1 otherwise). ``--feature random`` drafts with an untrained
-head (acceptance near 1: it checks the pipeline and the exactness, not the speed); ``--model``
-takes another converted target (its drafts then must be its own).
+draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 6, bs
+16); ``feature-chain6`` and ``feature-tree4`` (depth 4, bs 8: other drafts' default) on request.
+Each call is timed around ``generate`` as a user makes it (host work included); a call that
+compiled (a new prompt width) runs again and the second is timed. Every row's tokens are compared
+with autoregressive decoding's: in float32 they must all be equal (the script exits 1 otherwise).
+``--feature random`` drafts with an untrained head (acceptance near 1: it checks the pipeline and
+the exactness, not the speed); ``--model`` takes another converted target (its drafts then must be
+its own).
 
 Writes ``benchmarks/results/feature_draft.json``: one section per device (``--device-tag``), one
 part per prompt set, rows with ``acceptance_length_pooled`` (the issue's measure), merged into
@@ -52,10 +53,11 @@ CONFIGS = {  # name: (method, draft key, options)
     "autoregressive": ("autoregressive", None, {}),
     "distilled": ("chain", "distilled", {"gamma": 4}),
     "feature": ("chain", "feature", {"gamma": 4}),
-    "feature-tree": ("tree", "feature", {}),
+    "feature-tree": ("tree", "feature", {}),  # a feature draft's default: depth 6, bs 16
     "feature-chain6": ("chain", "feature", {"gamma": 6}),
-    "feature-tree-deep": ("tree", "feature", {"depth": 6, "bs": 16}),
+    "feature-tree4": ("tree", "feature", {"depth": 4, "bs": 8}),
 }
+TREE_KEYS = ("depth", "width", "branch", "bs")
 DEFAULT = "autoregressive,distilled,feature,feature-tree"
 
 
@@ -81,6 +83,7 @@ def run_of(i: int, ids, r, wall: float, ref) -> dict:
         "acceptance_length": round(r.stats["acceptance_length"], 4),
         "target_steps": r.stats["target_steps"],
         "same_as_autoregressive": r.tokens[0] == ref,
+        **({"tree_shape": {k: r.stats[k] for k in TREE_KEYS}} if "bs" in r.stats else {}),
     }
 
 
@@ -95,7 +98,7 @@ def row_of(name: str, runs: list[dict]) -> dict:
     return {
         "name": name,
         "method": method,
-        "options": opts,
+        "options": {**(runs[0].get("tree_shape", {}) if runs else {}), **opts},  # as it ran
         "prompts": len(runs),
         "new_tokens": new,
         "target_verifications": verifies,
