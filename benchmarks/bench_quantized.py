@@ -180,15 +180,18 @@ def sweep(smoke: bool) -> dict:
         n: [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for _ in range(copies)]
         for n, s in shapes.items()
     }
+    quantized = {
+        bits: {
+            name: [quant.quantize(w, bits, group, scale_dtype=jnp.float16) for w in ws]
+            for name, ws in dense.items()
+        }
+        for bits, group in ((8, None), (4, 128))
+    }
     rows, best, xla_faster = [], {}, {}
     for m in (8, 1):
         x = {name: jnp.ones((m, k), jnp.bfloat16) for name, (k, _) in shapes.items()}
         rows.append({"rows": m, "path": "bf16 dense, jnp.dot", **_timed(_xla, x, dense)})
-        for bits, group in ((8, None), (4, 128)):
-            weights = {
-                name: [quant.quantize(w, bits, group, scale_dtype=jnp.float16) for w in ws]
-                for name, ws in dense.items()
-            }
+        for bits, weights in quantized.items():
             xla = _timed(_xla, x, weights)
             rows.append({"rows": m, "bits": bits, "path": "xla: dequantize, jnp.dot", **xla})
             for tile in TILES:
