@@ -64,6 +64,7 @@ ORDER = [
     "bench_h200_peers",
     "prefill_probe",
     "small_step_probe",
+    "attention_split",
     "verify",
     "host_overhead",
     "bit_exact",

@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--file", default="small_step_probe.json", help="JSON file in --out")
     args = ap.parse_args()
     cfg = SMOLLM2_135M
     model = new_model(cfg, seed=0, dtype=jnp.bfloat16)
@@ -122,7 +123,7 @@ def main():
     except Exception as e:  # the probe still reports the timing
         row["trace_error"] = repr(e)[:300]
     print(json.dumps(row, indent=1), flush=True)
-    path = pathlib.Path(args.out) / "small_step_probe.json"  # one file, a row per setting
+    path = pathlib.Path(args.out) / args.file  # one file, a row per setting
     payload = json.loads(path.read_text()) if path.is_file() else {**metadata(), "rows": []}
     payload["rows"].append(row)
     path.write_text(json.dumps(payload, indent=1) + "\n")

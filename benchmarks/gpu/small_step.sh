@@ -15,17 +15,25 @@ probe() {  # SETTING CONTEXT [VAR=VALUE...]
     --batch 1 --context "$context" --steps 32 --out "$OUT"
 }
 if [ "${1:-}" = attention ]; then
-  # `bash benchmarks/gpu/small_step.sh attention` (~3 min): the fused attention kernel's prefix
-  # split length and KV block (KernelConfig.attention_tile: min_split, block_k), decode_attention
-  # .plan's defaults (256, 128 slots of SmolLM2's 64-wide heads) against shorter splits, which
-  # give each program fewer sequential KV blocks; then the MagicDec self-draft shape's defaults
-  probe defaults_c1024 1024
-  for t in 128:128 64:64 128:64 32:32; do
-    IFS=: read -r ms bk <<< "$t"
-    probe "attn_split${ms}_k${bk}_c1024" 1024 JAXSPEC_ATTN_MIN_SPLIT="$ms" JAXSPEC_ATTN_BLOCK_K="$bk"
+  # `bash benchmarks/gpu/small_step.sh attention` (~4 min): the fused attention kernel's prefix
+  # split length and KV block (KernelConfig.attention_tile: min_split, block_k) against
+  # decode_attention.plan's defaults (256, 128 slots of SmolLM2's 64-wide heads) at 1K and 4K of
+  # context, batch 1, and at the MagicDec self-draft shape (batch 128, a 512-token cache). Writes
+  # $OUT/attention_split.json (results/attention_split.json).
+  split() {  # LABEL BATCH CONTEXT STEPS [MIN_SPLIT BLOCK_K]
+    local env=()
+    [ -n "${5:-}" ] && env=(JAXSPEC_ATTN_MIN_SPLIT="$5" JAXSPEC_ATTN_BLOCK_K="$6")
+    bench attention_split 150 env "${env[@]}" python3 benchmarks/probe_small.py --label "$1" \
+      --batch "$2" --context "$3" --steps "$4" --out "$OUT" --file attention_split.json
+  }
+  split defaults_c1024 1 1024 32
+  for t in 128:128 64:64 128:64 32:32 512:128; do
+    split "attn_split${t%:*}_k${t#*:}_c1024" 1 1024 32 "${t%:*}" "${t#*:}"
   done
-  bench small_step_probe 150 python3 benchmarks/probe_small.py --label defaults_b128_c512 \
-    --batch 128 --context 512 --steps 16 --out "$OUT"
+  split defaults_c4096 1 4096 32
+  for ms in 128 512 1024; do split "attn_split${ms}_k128_c4096" 1 4096 32 "$ms" 128; done
+  split defaults_b128_c512 128 512 16
+  for ms in 128 512; do split "attn_split${ms}_k128_b128_c512" 128 512 16 "$ms" 128; done
   exit
 fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)
