@@ -52,8 +52,9 @@ class TreeShape:
 # A feature draft's trees, where depth and bs are left open: deeper and wider than a model
 # draft's. Its head drafts a token for one decoder layer and the LM head and keeps accepting
 # deeper; in one H200 run (benchmarks/results/feature_draft.json, bf16, 8 held-out HumanEval
-# prompts, the shipped head) a tree of depth 6 and bs 16 accepted 4.66 tokens a verification at
-# 1.48x autoregressive against 3.83 at 1.46x for depth 4 and bs 8 (EAGLE-2 grows 5-6 deep).
+# prompts, the first shipped head) a tree of depth 6 and bs 16 accepted 4.66 tokens a
+# verification at 1.48x autoregressive against 3.83 at 1.46x for depth 4 and bs 8 (EAGLE-2 grows
+# 5-6 deep).
 FEATURE_SHAPE = {"depth": 6, "bs": 16}
 
 
