@@ -2,10 +2,12 @@
 device loop and, from a profiler trace of the same loop, GPU kernel count, busy time and the
 kernels that take it, per step.
 
-    python benchmarks/probe_small.py --label NAME [--context 1024] [--batch 1] [--out DIR]
+    python benchmarks/probe_small.py --label NAME [--context 1024] [--batch 1] [--tokens 1] \
+        [--out DIR] [--file small_step_probe.json]
 Run it under different XLA_FLAGS to compare compiler options (one process per setting). With
 ``--batch 128 --context 512`` it is the shape of a MagicDec self-draft step (a 512-token sparse
-cache) at batch 128.
+cache) at batch 128; with ``--tokens 5`` (or 16) each step is a causal block of that many tokens
+a row, the kernels of a chain's (or a 16-node tree's) verify.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main():
     ap.add_argument("--label", default="default")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a row per step (a verify block)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--file", default="small_step_probe.json", help="JSON file in --out")
@@ -58,18 +61,19 @@ def main():
     cfg = SMOLLM2_135M
     model = new_model(cfg, seed=0, dtype=jnp.bfloat16)
     b = args.batch
-    cache = init_cache(cfg, b, args.context + args.steps + 8, jnp.bfloat16)
+    t = args.tokens
+    cache = init_cache(cfg, b, args.context + args.steps * t + 8, jnp.bfloat16)
     cache = KVCache(k=cache.k, v=cache.v, length=jnp.full((b,), args.context, jnp.int32))
-    tok = jnp.zeros((b, 1), jnp.int32)
+    tok = jnp.zeros((b, t), jnp.int32)
     net = model.net(KernelConfig.from_env())
-    loop = make_loop(net, args.steps, 1)
+    loop = make_loop(net, args.steps, t)
     exe = loop.lower(model.flat, cache, tok).compile()
     counts = kernel_count(exe.as_text())
     state = {"cache": cache}
 
     def once():
         c, out = exe(model.flat, state["cache"], tok)
-        state["cache"] = KVCache(k=c.k, v=c.v, length=c.length - args.steps)
+        state["cache"] = KVCache(k=c.k, v=c.v, length=c.length - args.steps * t)
         out.block_until_ready()
 
     for _ in range(3):
@@ -85,6 +89,7 @@ def main():
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "kernels": net.kernels.describe(),
         "batch": b,
+        "tokens": t,
         "context": args.context,
         "ms_per_step": ms,
     }

@@ -36,6 +36,17 @@ if [ "${1:-}" = attention ]; then
   for ms in 128 512; do split "attn_split${ms}_k128_b128_c512" 128 512 16 "$ms" 128; done
   exit
 fi
+if [ "${1:-}" = verify ]; then
+  # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
+  # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
+  # 1K: results/verify.json has a 5-token verify at about 3 decode steps on SmolLM2; this says
+  # which kernels. Writes $OUT/verify_probe.json. Not run yet.
+  for t in 1 5 16; do
+    bench verify_probe 150 python3 benchmarks/probe_small.py --label "defaults_t${t}_c1024" \
+      --tokens "$t" --context 1024 --steps 32 --out "$OUT" --file verify_probe.json
+  done
+  exit
+fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)
 probe plain_c1024 1024 "${plain[@]}"
 probe defaults_c1024 1024
