@@ -39,8 +39,9 @@ fi
 if [ "${1:-}" = verify ]; then
   # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
   # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
-  # 1K: results/verify.json has a 5-token verify at about 3 decode steps on SmolLM2; this says
-  # which kernels. Writes $OUT/verify_probe.json. Not run yet.
+  # 1K, kernel by kernel (results/verify.json timed a 5-token verify at about 3 decode steps on
+  # SmolLM2 under the defaults before linear_rows = 1). Writes $OUT/verify_probe.json. Not run
+  # yet.
   for t in 1 5 16; do
     bench verify_probe 150 python3 benchmarks/probe_small.py --label "defaults_t${t}_c1024" \
       --tokens "$t" --context 1024 --steps 32 --out "$OUT" --file verify_probe.json
