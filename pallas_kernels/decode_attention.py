@@ -192,13 +192,15 @@ def plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split: int | None = None,
+    max_splits: int | None = None,
     head_dim: int = 128,
 ) -> dict:
     """Static tiling: row padding, row tile, KV block, number and length of prefix splits, Triton
     warps and pipeline stages. Defaults were picked on an H200 (bf16): KV blocks of 8192
     elements (64 slots of Llama-3-8B's 128-wide heads, 128 of SmolLM2's 64-wide ones), 4 warps,
     2 stages for decode-sized tiles and 3 once a row tile has 64 rows or a KV block 128 slots.
-    Prefix splits are no shorter than ``min_split`` slots (default 256). A given ``block_k``,
+    Prefix splits are no shorter than ``min_split`` slots (default 256), and there are at most
+    ``max_splits`` of them (None: no bound), longer splits where needed. A given ``block_k``,
     ``num_stages`` or ``min_split`` overrides its default (``KernelConfig.attention_tile``)."""
     min_split = min_split or 256
     m_pad = max(16, _next_pow2(rows))
@@ -212,7 +214,7 @@ def plan(
     if k_splits is None:
         # Enough programs to fill the GPU a few times over, but splits no shorter than min_split.
         want = math.ceil(4 * NUM_SMS / (b * kh * m_tiles))
-        k_splits = max(1, min(want, math.ceil(s / min_split)))
+        k_splits = max(1, min(want, math.ceil(s / min_split), max_splits or want))
     split_len = math.ceil(math.ceil(s / k_splits) / block_k) * block_k
     k_splits = math.ceil(s / split_len)
     return dict(

@@ -438,6 +438,16 @@ def silu_project(
     return _call(kern, grid, shape, (gate_up, *arrays), interpret, "silu_project", num_warps)
 
 
+# The most attention splits a combine_project should merge, where the attention tile leaves the
+# split length open (rope_attention_splits' max_splits). Its programs fold the splits one after
+# another, so each split costs every program a step: on one H200 (results/attention_split.json,
+# SmolLM2 shape, batch 1) the fold took 68-73 us a decode step up to 9 splits, 184-187 at 17 and
+# 296 at 33, and at 4K of context 9 splits of 512 slots made the step 0.720-0.731 ms against
+# 0.764-0.769 for plan's 17 of 256 (5 of 1024: 0.807). At 1K (5 splits) and at batch 128 (2)
+# the bound changes nothing.
+COMBINE_SPLITS = 9
+
+
 @functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk", "num_warps"))
 def combine_project(
     acc: Float[Array, "b kh splits mp hd"],

@@ -277,7 +277,9 @@ def rope_attention(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_heads", "interpret", "tile"), donate_argnums=(3, 4)
+    jax.jit,
+    static_argnames=("num_heads", "interpret", "tile", "max_splits"),
+    donate_argnums=(3, 4),
 )
 def rope_attention_splits(
     qkv: Float[Array, "b t nh hd"] | Float[Array, "p b t nh hd"],
@@ -292,12 +294,14 @@ def rope_attention_splits(
     num_heads: int,
     interpret: bool = False,
     tile: tuple | None = None,
+    max_splits: int | None = None,
 ) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache).
     ``tile``: (block_k, num_stages, min_split) overrides of ``decode_attention.plan``'s
-    defaults (None: its defaults). long: the kernel's layout (padded row tiles, the block mask
-    per query row, block specs of seven inputs and five outputs) is set up in one place, next
-    to the call it feeds."""
+    defaults (None: its defaults); ``max_splits``: the most prefix splits where the tile leaves
+    ``min_split`` open (``plan``'s bound). long: the kernel's layout (padded row tiles, the
+    block mask per query row, block specs of seven inputs and five outputs) is set up in one
+    place, next to the call it feeds."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
     if reason is not None:
         raise ValueError(f"rope_attention: {reason}")
@@ -308,7 +312,9 @@ def rope_attention_splits(
     g = h // kh
     rows = t * g
     block_k, stages, min_split = tile or (None, None, None)
-    p = D.plan(b, s, kh, rows, head_dim=hd, block_k=block_k, num_stages=stages, min_split=min_split)
+    bound = max_splits if min_split is None else None
+    p = D.plan(b, s, kh, rows, head_dim=hd, block_k=block_k, num_stages=stages,
+               min_split=min_split, max_splits=bound)  # fmt: skip
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, D._next_pow2(t))
     bmr = jnp.repeat(block_mask, g, axis=1)

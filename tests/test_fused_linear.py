@@ -220,12 +220,16 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     real = fl.silu_project
     monkeypatch.setattr(fl, "silu_project", lambda *a, **k: traced.append(1) or real(*a, **k))
     ranks, merged = [], []  # ranks of the Q/K/V the fused attention kernel got; o_proj merges
+    bounds = set()  # the split bounds asked for where o_proj merges the splits (5-D Q/K/V)
     real_attention, real_merge = rope_attention.rope_attention_splits, fl.combine_project
-    monkeypatch.setattr(
-        rope_attention,
-        "rope_attention_splits",
-        lambda qkv, *a, **k: ranks.append(qkv.ndim) or real_attention(qkv, *a, **k),
-    )
+
+    def record(qkv, *a, **k):
+        ranks.append(qkv.ndim)
+        if qkv.ndim == 5:
+            bounds.add(k.get("max_splits"))
+        return real_attention(qkv, *a, **k)
+
+    monkeypatch.setattr(rope_attention, "rope_attention_splits", record)
     monkeypatch.setattr(
         fl, "combine_project", lambda *a, **k: merged.append(1) or real_merge(*a, **k)
     )
@@ -255,6 +259,8 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     # with the fused attention kernel on, it took the projections as partials (5-D) and o_proj
     # merged its splits
     assert (5 in ranks) == bool(merged) == (attention == "interpret")
+    # where o_proj merges the splits it asks for its bound on them (fl.COMBINE_SPLITS)
+    assert bounds == ({fl.COMBINE_SPLITS} if attention == "interpret" else set())
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]

@@ -87,6 +87,30 @@ def test_matches_the_unfused_path(t, g, s, hd, dtype, tree):
         check(got, R.reference(*clean, num_heads=2 * g), poisoned, dtype)
 
 
+def test_max_splits_bounds_the_prefix_splits_the_tile_leaves_open():
+    """``max_splits`` (what ``fused_linear.combine_project`` asks for) lengthens the splits so
+    there are at most that many, and the merged output is still the reference's; a tile's own
+    ``min_split`` is kept as given. ``plan``'s numbers for the SmolLM2 shape at 4K (the measured
+    case): 17 splits of 256 slots, 9 of 512 under the bound."""
+    from pallas_kernels import decode_attention as D
+
+    counts = [D.plan(1, 4136, 3, 3, head_dim=64, max_splits=m)["k_splits"] for m in (None, 9)]
+    assert counts == [17, 9]
+    assert D.plan(1, 4136, 3, 3, head_dim=64, max_splits=9)["split_len"] == 512
+    assert D.plan(1, 1064, 3, 3, head_dim=64, max_splits=9)["k_splits"] == 5  # 1K: unchanged
+    poisoned, clean = make_inputs(7, b=2, t=1, kh=2, g=3, s=600, hd=64, dtype=jnp.float32,
+                                  tree=False)  # fmt: skip
+    want = R.reference(*clean, num_heads=6)
+    for tile, bound, n in ((None, None, 3), (None, 2, 2), ((None, None, 128), 2, 5)):
+        split, k, v = R.rope_attention_splits(
+            *copies(poisoned), num_heads=6, interpret=INTERPRET, tile=tile, max_splits=bound
+        )
+        assert split.acc.shape[2] == n
+        acc, m, ssum = (x[..., :3, :] if x.ndim == 5 else x[..., :3] for x in split)
+        out = D.combine(acc, m, ssum, 1, jnp.float32)
+        check((out, k, v), want, poisoned, jnp.float32)
+
+
 @pytest.mark.parametrize("t, dtype", [(1, jnp.float32), (5, jnp.bfloat16)])
 def test_partial_sums_of_the_projections(t, dtype):
     """``qkv`` as float32 partial sums ``[P, B, T, heads, hd]`` (the split-K projection kernels'

@@ -13,7 +13,7 @@ from jaxspec.kernels import KernelConfig
 from jaxspec.model import exact
 from jaxspec.model.kv_cache import Block
 from jaxspec.model.layers import Linear, mode_of, rows_like, tokens_of
-from pallas_kernels import dispatch, rope_attention
+from pallas_kernels import dispatch, fused_linear, rope_attention
 from pallas_kernels.reference import apply_rope
 from pallas_kernels.reference import scatter_rows as write
 
@@ -71,10 +71,11 @@ class Attention(nnx.Module):
                     if splits
                     else rope_attention.rope_attention
                 )
+                bound = {"max_splits": fused_linear.COMBINE_SPLITS} if splits else {}
                 return fn(
                     qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
                     num_heads=cfg.num_heads, interpret=mode == "interpret",
-                    tile=kernels.attention_tile,
+                    tile=kernels.attention_tile, **bound,
                 )  # fmt: skip
             q, k, v = rope_attention.split_heads(
                 rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
