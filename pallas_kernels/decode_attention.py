@@ -212,7 +212,8 @@ def plan(
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name}={x} must be a power of two >= 16")
     if k_splits is None:
-        # Enough programs to fill the GPU a few times over, but splits no shorter than min_split.
+        # Enough programs to fill the GPU a few times over, but splits no shorter than min_split
+        # and no more of them than max_splits.
         want = math.ceil(4 * NUM_SMS / (b * kh * m_tiles))
         k_splits = max(1, min(want, math.ceil(s / min_split), max_splits or want))
     split_len = math.ceil(math.ceil(s / k_splits) / block_k) * block_k
