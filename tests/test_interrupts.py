@@ -35,8 +35,24 @@ def small(tmp_path_factory):
     return path
 
 
+# A process started in the background by a shell (`cmd &`, as some CI launchers and agents
+# do) inherits Ctrl-C ignored, and Python then keeps it ignored: these tests put back what a
+# terminal gives, in the test process (``sigint_as_in_a_terminal``) and in the convert it starts.
+AS_IN_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'jaxspec'; runpy.run_module('jaxspec.cli', run_name='__main__')"
+)
+
+
+@pytest.fixture(autouse=True)
+def sigint_as_in_a_terminal():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _start_convert(src, dst) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "jaxspec.cli", "convert", str(src), str(dst)]
+    argv = [sys.executable, "-c", AS_IN_A_TERMINAL, "convert", str(src), str(dst)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(
         [*argv, "--dtype", "float32"],
