@@ -320,7 +320,10 @@ def _combine_kernel(acc_ref, m_ref, ssum_ref, *refs, specs, n_splits, t, g, hd, 
             return new, num * old + a * w, den * old + ls * w
 
         zero = jnp.zeros(shape, jnp.float32)
-        _, num, den = jax.lax.fori_loop(0, n_splits, split, (zero - 1e30, zero, zero))
+        carry = (zero - 1e30, zero, zero)
+        for i in range(n_splits):  # unrolled: the splits' loads do not wait on the running fold
+            carry = split(i, carry)
+        _, num, den = carry
         out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
         return _round(out, dt)
 
@@ -438,14 +441,18 @@ def silu_project(
     return _call(kern, grid, shape, (gate_up, *arrays), interpret, "silu_project", num_warps)
 
 
-# The most attention splits a combine_project should merge, where the attention tile leaves the
-# split length open (rope_attention_splits' max_splits). Its programs fold the splits one after
-# another, so each split costs every program a step: on one H200 (results/attention_split.json,
-# SmolLM2 shape, batch 1) the fold took 68-73 us a decode step up to 9 splits, 184-187 at 17 and
-# 296 at 33, and at 4K of context 9 splits of 512 slots made the step 0.720-0.731 ms against
-# 0.764-0.769 for plan's 17 of 256 (5 of 1024: 0.807). At 1K (5 splits) and at batch 128 (2)
-# the bound changes nothing.
-COMBINE_SPLITS = 9
+# The attention splits a combine_project merges, where the attention tile leaves the split length
+# open (rope_attention_splits' min_split and max_splits): splits of at least 128 slots, at most
+# 33 of them. Its programs fold the splits with their loads unrolled, all in flight at once. On
+# one H100 (results/attention_split.json, SmolLM2 shape, batch 1) splits of 128 made the step
+# 0.632 ms at 1K (9 splits; plan's 5 of 256: 0.653) and 0.687 at 4K (33; 9 of 512: 0.720),
+# the fold 72 and 104 us a step. The fold it replaced ran the splits one after another: 68-73 us
+# up to 9 splits, 296 at 33 on the H200, which is why the bound was 9 (4K: 0.720-0.731 against
+# 0.764-0.769 for 17 of 256). The bound keeps the unrolled fold's code small at long context
+# (16K: 33 splits of 512). At batch 128 (2 splits) it changes nothing.
+COMBINE_MIN_SPLIT = 128
+COMBINE_SPLITS = 33
+COMBINE_BOUNDS = {"min_split": COMBINE_MIN_SPLIT, "max_splits": COMBINE_SPLITS}
 
 
 @functools.partial(jax.jit, static_argnames=("t", "interpret", "bn", "bk", "num_warps"))

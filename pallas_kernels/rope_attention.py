@@ -278,7 +278,7 @@ def rope_attention(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_heads", "interpret", "tile", "max_splits"),
+    static_argnames=("num_heads", "interpret", "tile", "min_split", "max_splits"),
     donate_argnums=(3, 4),
 )
 def rope_attention_splits(
@@ -294,12 +294,14 @@ def rope_attention_splits(
     num_heads: int,
     interpret: bool = False,
     tile: tuple | None = None,
+    min_split: int | None = None,
     max_splits: int | None = None,
 ) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache).
     ``tile``: (block_k, num_stages, min_split) overrides of ``decode_attention.plan``'s
-    defaults (None: its defaults); ``max_splits``: the most prefix splits where the tile leaves
-    ``min_split`` open (``plan``'s bound). long: the kernel's layout (padded row tiles, the
+    defaults (None: its defaults); where the tile leaves ``min_split`` open, ``min_split`` and
+    ``max_splits`` are the shortest prefix split and the most splits (``plan``'s; None: its
+    defaults). long: the kernel's layout (padded row tiles, the
     block mask per query row, block specs of seven inputs and five outputs) is set up in one
     place, next to the call it feeds."""
     reason = unsupported_reason(qkv, num_heads, k_cache, block_mask)
@@ -311,10 +313,11 @@ def rope_attention_splits(
     h = num_heads
     g = h // kh
     rows = t * g
-    block_k, stages, min_split = tile or (None, None, None)
-    bound = max_splits if min_split is None else None
+    block_k, stages, tile_split = tile or (None, None, None)
+    if tile_split is not None:  # the tile's split length, unbounded
+        min_split, max_splits = tile_split, None
     p = D.plan(b, s, kh, rows, head_dim=hd, block_k=block_k, num_stages=stages,
-               min_split=min_split, max_splits=bound)  # fmt: skip
+               min_split=min_split, max_splits=max_splits)  # fmt: skip
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, D._next_pow2(t))
     bmr = jnp.repeat(block_mask, g, axis=1)

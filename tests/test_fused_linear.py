@@ -226,7 +226,7 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     def record(qkv, *a, **k):
         ranks.append(qkv.ndim)
         if qkv.ndim == 5:
-            bounds.add(k.get("max_splits"))
+            bounds.add((k.get("min_split"), k.get("max_splits")))
         return real_attention(qkv, *a, **k)
 
     monkeypatch.setattr(rope_attention, "rope_attention_splits", record)
@@ -259,8 +259,9 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     # with the fused attention kernel on, it took the projections as partials (5-D) and o_proj
     # merged its splits
     assert (5 in ranks) == bool(merged) == (attention == "interpret")
-    # where o_proj merges the splits it asks for its bound on them (fl.COMBINE_SPLITS)
-    assert bounds == ({fl.COMBINE_SPLITS} if attention == "interpret" else set())
+    # where o_proj merges the splits it asks for its split length and bound (fl.COMBINE_BOUNDS)
+    want = (fl.COMBINE_MIN_SPLIT, fl.COMBINE_SPLITS)
+    assert bounds == ({want} if attention == "interpret" else set())
     assert runs["interpret"][0] == runs["off"][0]
     assert runs["interpret"][1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]

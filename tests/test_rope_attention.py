@@ -87,23 +87,36 @@ def test_matches_the_unfused_path(t, g, s, hd, dtype, tree):
         check(got, R.reference(*clean, num_heads=2 * g), poisoned, dtype)
 
 
-def test_max_splits_bounds_the_prefix_splits_the_tile_leaves_open():
-    """``max_splits`` (what ``fused_linear.combine_project`` asks for) lengthens the splits so
-    there are at most that many, and the merged output is still the reference's; a tile's own
-    ``min_split`` is kept as given. ``plan``'s numbers for the SmolLM2 shape at 4K (the measured
-    case): 17 splits of 256 slots, 9 of 512 under the bound."""
+def test_split_bounds_apply_where_the_tile_leaves_the_split_length_open():
+    """``min_split`` / ``max_splits`` (what ``fused_linear.combine_project`` asks for) set the
+    splits' shortest length and their most, and the merged output is still the reference's; a
+    tile's own ``min_split`` is kept as given, unbounded. ``plan``'s numbers for the SmolLM2 shape
+    (the measured cases): at 4K 17 splits of 256 slots by default, 9 of 512 under a bound of 9,
+    33 of 128 with 128-slot splits; at 1K 5 of 256, 9 of 128; at 16K the bound of 33 lengthens
+    128-slot splits to 512."""
     from pallas_kernels import decode_attention as D
 
-    counts = [D.plan(1, 4136, 3, 3, head_dim=64, max_splits=m)["k_splits"] for m in (None, 9)]
-    assert counts == [17, 9]
-    assert D.plan(1, 4136, 3, 3, head_dim=64, max_splits=9)["split_len"] == 512
-    assert D.plan(1, 1064, 3, 3, head_dim=64, max_splits=9)["k_splits"] == 5  # 1K: unchanged
+    def plan(s, **k):
+        p = D.plan(1, s, 3, 3, head_dim=64, **k)
+        return p["k_splits"], p["split_len"]
+
+    assert [plan(4136, max_splits=m) for m in (None, 9)] == [(17, 256), (9, 512)]
+    assert plan(4136, min_split=128, max_splits=33) == (33, 128)
+    assert plan(1064) == (5, 256) and plan(1064, min_split=128, max_splits=33) == (9, 128)
+    assert plan(16424, min_split=128, max_splits=33) == (33, 512)
     poisoned, clean = make_inputs(7, b=2, t=1, kh=2, g=3, s=600, hd=64, dtype=jnp.float32,
                                   tree=False)  # fmt: skip
     want = R.reference(*clean, num_heads=6)
-    for tile, bound, n in ((None, None, 3), (None, 2, 2), ((None, None, 128), 2, 5)):
+    cases = (
+        (None, {}, 3),
+        (None, {"max_splits": 2}, 2),
+        (None, {"min_split": 128}, 5),
+        ((None, None, 128), {"max_splits": 2}, 5),
+        ((None, None, 512), {"min_split": 128, "max_splits": 4}, 2),
+    )
+    for tile, bounds, n in cases:
         split, k, v = R.rope_attention_splits(
-            *copies(poisoned), num_heads=6, interpret=INTERPRET, tile=tile, max_splits=bound
+            *copies(poisoned), num_heads=6, interpret=INTERPRET, tile=tile, **bounds
         )
         assert split.acc.shape[2] == n
         acc, m, ssum = (x[..., :3, :] if x.ndim == 5 else x[..., :3] for x in split)

@@ -71,7 +71,7 @@ class Attention(nnx.Module):
                     if splits
                     else rope_attention.rope_attention
                 )
-                bound = {"max_splits": fused_linear.COMBINE_SPLITS} if splits else {}
+                bound = fused_linear.COMBINE_BOUNDS if splits else {}
                 return fn(
                     qkv, cos, sin, k_cache, v_cache, length, block.slots, block.block_mask,
                     num_heads=cfg.num_heads, interpret=mode == "interpret",
