@@ -353,6 +353,7 @@ ENV = {
     "JAXSPEC_ATTENTION": ("attention", (*ATTENTION, "pallas_interpret")),
     "JAXSPEC_FUSED_ATTENTION": ("fused_attention", FUSED),
     "JAXSPEC_FUSED_LINEAR": ("fused_linear", FUSED),
+    "JAXSPEC_LINEAR_ROWS": ("linear_rows", "int"),
     "JAXSPEC_FUSED_COMMIT": ("fused_commit", FUSED),
     "JAXSPEC_QUANT_MATMUL": ("quant_matmul", QUANT),
     "JAXSPEC_ROW_PADDING": ("row_padding", PADDING),

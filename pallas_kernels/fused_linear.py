@@ -246,8 +246,15 @@ def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
         return isinstance(cols, tuple) and cols[1] == bk
 
     def prologue(*cols):
-        full = settled((0, _pow2(k)))  # the whole row, for the norm's sum of squares
-        inv = jax.lax.rsqrt(jnp.sum(full * full, axis=1, keepdims=True) / k + eps)
+        # the norm's sum of squares over the whole row: one load of it for one row; for more,
+        # spans of bk columns, so [rows, width] float32 never has to sit in registers at once
+        span = _pow2(k) if rows == 1 else bk
+        total = 0.0
+        for c0 in range(0, k, span):
+            # a span past the row's end as column indices (a static slice may not overrun)
+            part = settled((c0, span) if c0 == 0 or c0 + span <= k else c0 + jnp.arange(span))
+            total = total + jnp.sum(part * part, axis=1, keepdims=True)
+        inv = jax.lax.rsqrt(total / k + eps)
         out = []
         for cs in cols:
             x = settled(cs)  # these columns (the same arithmetic, so the same values)

@@ -39,12 +39,15 @@ fi
 if [ "${1:-}" = verify ]; then
   # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
   # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
-  # 1K, kernel by kernel (results/verify.json timed a 5-token verify at about 3 decode steps on
-  # SmolLM2 under the defaults before linear_rows = 1). Writes $OUT/verify_probe.json. Not run
-  # yet.
+  # 1K, kernel by kernel: under the defaults (the split-K projection kernels for one-row steps
+  # only: KernelConfig.linear_rows 1) and with those kernels for up to 16 rows (linear_rows 16).
+  # Writes $OUT/verify_probe.json (results/verify_probe.json).
   for t in 1 5 16; do
-    bench verify_probe 150 python3 benchmarks/probe_small.py --label "defaults_t${t}_c1024" \
-      --tokens "$t" --context 1024 --steps 32 --out "$OUT" --file verify_probe.json
+    for rows in 1 16; do
+      bench verify_probe 150 env JAXSPEC_LINEAR_ROWS=$rows python3 benchmarks/probe_small.py \
+        --label "linear_rows${rows}_t${t}_c1024" --tokens "$t" --context 1024 --steps 32 \
+        --out "$OUT" --file verify_probe.json
+    done
   done
   exit
 fi
