@@ -236,9 +236,10 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     runs = {}
     for impl in ("off", "interpret"):
         # 16 x 16 tiles: several column tiles and K splits in every projection; the fused
-        # attention kernel 'interpret': the Q/K/V partials go into it
+        # attention kernel 'interpret': the Q/K/V partials go into it. linear_rows 16 on every
+        # backend: the GPU's default (1) would send these two-row steps to the plain path
         kernels = KernelConfig(
-            fused_linear=impl, linear_tile=(16, 16, 4), fused_attention=attention
+            fused_linear=impl, linear_tile=(16, 16, 4), linear_rows=16, fused_attention=attention
         )
         _clear()
         ar = jaxspec.generate(target, prompts, max_new_tokens=12, kernels=kernels)
