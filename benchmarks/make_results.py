@@ -66,6 +66,7 @@ ORDER = [
     "small_step_probe",
     "attention_split",
     "verify",
+    "verify_probe",
     "host_overhead",
     "bit_exact",
     "gpu_decode",

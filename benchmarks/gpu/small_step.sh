@@ -16,9 +16,9 @@ probe() {  # SETTING CONTEXT [VAR=VALUE...]
 }
 if [ "${1:-}" = attention ]; then
   # `bash benchmarks/gpu/small_step.sh attention` (~4 min): the fused attention kernel's prefix
-  # split length and KV block (KernelConfig.attention_tile: min_split, block_k) against
-  # decode_attention.plan's defaults (256, 128 slots of SmolLM2's 64-wide heads) at 1K and 4K of
-  # context, batch 1, and at the MagicDec self-draft shape (batch 128, a 512-token cache). Writes
+  # split length and KV block (KernelConfig.attention_tile: min_split, block_k) against the
+  # fused path's defaults (splits of at least 128 slots, at most 33: fused_linear.COMBINE_BOUNDS;
+  # KV blocks of 128 slots of SmolLM2's 64-wide heads) at 1K and 4K of context, batch 1, and at the MagicDec self-draft shape (batch 128, a 512-token cache). Writes
   # $OUT/attention_split.json (results/attention_split.json).
   split() {  # LABEL BATCH CONTEXT STEPS [MIN_SPLIT BLOCK_K]
     local env=()
