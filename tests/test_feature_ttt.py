@@ -2,7 +2,8 @@
 training forward computes, at every position where it counts, exactly what a drafting head
 computes at its j-th draft step (a cache of true pairs, then its own predicted states); the
 block it sees is that and nothing more; a distill with it trains from a finished head
-(``init_from``); and the options refuse what they cannot do."""
+(``init_from``), or from a shallower one grown deeper; and the options refuse what they cannot
+do."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxspec.errors import OptionError
 from jaxspec.model.feature_head import apply_head, random_head
@@ -108,3 +110,52 @@ def test_init_from_a_head_of_another_shape_is_refused(target, tmp_path):
     with pytest.raises(OptionError, match="MLP width 32"):
         D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=2, init_from=str(first.path),
                   **{**RUN, "intermediate": 16})  # fmt: skip
+
+
+def test_a_grown_head_computes_what_the_shallower_one_did(target):
+    """``distill.grown``: a 1-layer head deepened to 3 layers (its own layer first, then two
+    whose output projections are zero) gives the same logits and states at every step of a
+    draft, and its added layers are not the identity once those projections are not zero."""
+    from jaxspec.model.feature_head import head_config, head_model
+    from jaxspec.train.feature import init_head
+    from jaxspec.train.recipe import Recipe
+
+    small = random_head(target, layers=1, intermediate=32, seed=5)
+    pure = nnx.to_pure_dict(small.params)
+    own = {k: v for k, v in pure.items() if k not in ("embed_tokens", "lm_head")}
+    fresh = init_head(target, Recipe(kind="feature", layers=3, intermediate=32, init="random"))
+    deep_own = D.grown(own, fresh)
+    assert sorted(deep_own["layers"]) == [0, 1, 2]
+    cfg = head_config(target.config, 3, 32)
+    deep = head_model(target, cfg, deep_own, "grown")
+    rng = np.random.RandomState(11)
+    b, n = 2, 7
+    tokens = jnp.asarray(rng.randint(0, target.config.vocab_size, (b, n)), jnp.int32)
+    feats = jnp.asarray(rng.normal(size=(b, n, target.config.hidden_size)), jnp.float32)
+    for start, steps in ((0, 3), (3, 2)):
+        want = drafted(small, tokens, feats, start, steps)
+        got = drafted(deep, tokens, feats, start, steps)
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # the negative control: an added layer with its projections open changes the output
+    opened = jax.tree.map(lambda x: x, deep_own)
+    layer = opened["layers"][2]["self_attn"]["o_proj"]
+    layer["kernel"] = fresh["layers"][2]["self_attn"]["o_proj"]["kernel"]
+    changed = drafted(head_model(target, cfg, opened, "opened"), tokens, feats, 3, 2)
+    assert not np.allclose(np.asarray(changed[1]), np.asarray(want[1]))
+
+
+def test_a_distill_grows_a_finished_head_and_refuses_a_deeper_one(target, tmp_path):
+    first = D.distill(target, tmp_path / "a", prompts=PROMPTS, steps=12, save_every=50, **RUN)
+    run = D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=4, save_every=50,
+                    init_from=str(first.path), **{**RUN, "layers": 2})  # fmt: skip
+    assert run.steps == 4 and all(np.isfinite(r["loss"]) for r in run.history)
+    # its first step's loss is the 1-layer head's on the same batch (the grown head computes
+    # what it did), not a fresh head's
+    same = D.distill(target, tmp_path / "s", prompts=PROMPTS, steps=1, save_every=50,
+                     init_from=str(first.path), **RUN)  # fmt: skip
+    assert run.history[0]["kl"] == pytest.approx(same.history[0]["kl"], rel=1e-5)
+    assert run.history[0]["kl"] < 0.95 * first.history[0]["kl"]
+    with pytest.raises(OptionError, match="--layers no fewer than its"):
+        D.distill(target, tmp_path / "c", prompts=PROMPTS, steps=2, init_from=str(run.path),
+                  **RUN)  # fmt: skip

@@ -314,7 +314,9 @@ DISTILL_OPTIONS = (
         "--init-from",
         "init_from",
         str,
-        "start from this finished draft folder (same kind, layers and MLP width) instead of --init",
+        "start from this finished draft folder (same kind and MLP width) instead of --init; "
+        "a draft of fewer layers is grown to --layers, its added layers starting as the "
+        "identity",
     ),
     ("--seed", "seed", int, "data-order seed"),
     ("--samples", "samples", int, "temperature samples per prompt, besides the greedy one"),

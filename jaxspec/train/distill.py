@@ -377,22 +377,41 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
 
 def _weights_of(target: Model, recipe: Recipe) -> dict:
     """The trainable weights (float32) of the finished draft ``recipe.init_from``, which must be
-    of the recipe's kind and shape and distilled for ``target``: a run that goes on from it with
-    another recipe (a training-time test, more data) and a fresh optimizer and schedule."""
+    of the recipe's kind and MLP width, distilled for ``target``, with at most the recipe's
+    layers: a run that goes on from it with another recipe (a training-time test, more data, a
+    deeper draft) and a fresh optimizer and schedule. A shallower draft is grown (``grown``)."""
     draft = load_draft(recipe.init_from, target)
     kind = "feature" if isinstance(draft, FeatureModel) else "model"
     cfg = draft.config
-    if (kind, cfg.num_layers, cfg.intermediate_size) != (
-        recipe.kind, recipe.layers, recipe.intermediate,
-    ):  # fmt: skip
+    if (kind, cfg.intermediate_size) != (recipe.kind, recipe.intermediate) or (
+        cfg.num_layers > recipe.layers
+    ):
         raise OptionError(
             f"init_from={recipe.init_from!r} is a {kind} draft of {cfg.num_layers} layers and "
             f"MLP width {cfg.intermediate_size}; this run trains a {recipe.kind} draft of "
-            f"{recipe.layers} and {recipe.intermediate}. Pass the same --kind, --layers and "
-            "--intermediate."
+            f"{recipe.layers} and {recipe.intermediate}. Pass the same --kind and "
+            "--intermediate, and --layers no fewer than its."
         )
     own = _trainable(_pure(draft.params))
+    if cfg.num_layers < recipe.layers:
+        own = grown(own, KINDS[recipe.kind].init(target, recipe))
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), own)
+
+
+def grown(own: dict, fresh: dict) -> dict:
+    """A draft's weights ``own`` deepened to the layer count of ``fresh`` (a random draft of the
+    wanted shape): its own layers first, then ``fresh``'s later layers with their output
+    projections (o_proj, down) zero. A decoder layer adds those projections to its residual
+    stream and nothing else, so each added layer starts as the identity and the grown draft
+    computes exactly what ``own`` did (progressive stacking); training then opens the new
+    layers through those zero projections, whose gradients are not zero."""
+    layers = dict(own["layers"])
+    for i in range(len(layers), len(fresh["layers"])):
+        layer = jax.tree.map(lambda x: x, fresh["layers"][i])  # a copy of the nesting
+        for block, proj in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            layer[block][proj]["kernel"] = jnp.zeros_like(layer[block][proj]["kernel"])
+        layers[i] = layer
+    return {**own, "layers": layers}
 
 
 # Steps whose median time fixes the step count under a budget: the whole warmup (the learning

@@ -25,7 +25,7 @@ plus K - 1 smaller forwards. ``ttt_steps`` 1 is EAGLE-1's loss as above.
 
 The teacher is computed inside the jitted step, like the small draft's; the target's embedding
 and LM head are the head's, frozen. The head starts from random weights (EAGLE-1's), or from a
-finished head's (``Recipe.init_from``).
+finished head's (``Recipe.init_from``; a shallower one grown by ``distill.grown``).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class Recipe:
     token_weight: float = 0.1  # feature kind: the token loss's weight (EAGLE-1's)
     noise: float = 0.2  # feature kind: width of the uniform noise on the input states
     ttt_steps: int = 1  # feature kind: runs of the head on its own states (train.feature)
-    init_from: str | None = None  # a finished draft of the same kind and shape to start from
+    init_from: str | None = None  # a finished draft of this kind and width, as deep or shallower
 
 
 @dataclasses.dataclass(frozen=True)
