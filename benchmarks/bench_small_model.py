@@ -262,17 +262,15 @@ def main():
         "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS},
     }
     contexts = [int(c) for c in args.contexts.split(",") if c]
-    # the first context's sections that compare (streaming, the peer, float32) come before the
-    # other contexts, so a call that runs out of time still holds them
+    # the first context's sections that compare (the peer, streaming, float32) come before the
+    # other contexts, the peer first of them (an issue's key), and each is written as it ends,
+    # so a call that runs out of time still holds them (on one H100, 258c7dd's run of the
+    # runner's settings reached the end of the streaming rows in its 540 s, not the peer)
     got = run_context(model, drafts, contexts[0], args)
     ids_first = got.pop("ids")
     payload[f"ctx{contexts[0]}"] = got
     summarise(payload, contexts[0])
     write("small_model.json", payload, args.out)
-    if not args.no_stream:
-        ids = context_ids(model, contexts[0], args.new)
-        payload["streaming"] = streaming(model, ids, args)
-        write("small_model.json", payload, args.out)
     if args.peer:
         p = peer(args.peer, ids_first, args.new)
         if p is not None:
@@ -281,6 +279,11 @@ def main():
             payload["ar_over_peer"] = round(
                 payload["ar_wall_tok_per_s_b1"] / p["tok_per_s_whole_call"], 3
             )
+            write("small_model.json", payload, args.out)
+    if not args.no_stream:
+        ids = context_ids(model, contexts[0], args.new)
+        payload["streaming"] = streaming(model, ids, args)
+        write("small_model.json", payload, args.out)
     if not args.no_f32:
         f32 = {"ngram": "ngram", **({"draft": args.draft} if args.draft else {})}
         payload["float32_check"] = float32_check(ids_first, args.new, f32)
