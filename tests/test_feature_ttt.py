@@ -159,3 +159,27 @@ def test_a_distill_grows_a_finished_head_and_refuses_a_deeper_one(target, tmp_pa
     with pytest.raises(OptionError, match="--layers no fewer than its"):
         D.distill(target, tmp_path / "c", prompts=PROMPTS, steps=2, init_from=str(run.path),
                   **RUN)  # fmt: skip
+
+
+def test_the_loss_of_k_steps_against_one_broadcast_teacher_is_the_tiled_ones():
+    """``feature_losses`` with the teacher's ``[B, 1, n, ...]`` against the K steps' ``[B, K, n,
+    ...]`` (the training step's, no tiled copy) gives the losses of the teacher tiled K times."""
+    from jaxspec.train.feature import feature_losses
+    from jaxspec.train.recipe import Recipe
+
+    rng = np.random.RandomState(5)
+    b, k, n, d, v = 2, 3, 7, 8, 40
+    teacher = jnp.asarray(rng.normal(size=(b, 1, n, v)) * 3, jnp.float32)
+    states = jnp.asarray(rng.normal(size=(b, 1, n, d)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(b, k, n, v)) * 3, jnp.float32)
+    g = jnp.asarray(rng.normal(size=(b, k, n, d)), jnp.float32)
+    recipe = Recipe(kind="feature", init="random")
+    got = feature_losses(teacher, states, head, g, recipe)
+    tiled = feature_losses(
+        jnp.tile(teacher, (1, k, 1, 1)), jnp.tile(states, (1, k, 1, 1)), head, g, recipe
+    )
+    for x, y in zip(got, tiled, strict=True):
+        assert x.shape == (b, k, n)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    # the steps differ (a control: each step is compared with its own head outputs)
+    assert not np.allclose(np.asarray(got[1][:, 0]), np.asarray(got[1][:, 1]))

@@ -71,7 +71,8 @@ def smooth_l1(x, y):
 
 def feature_losses(teacher_logits, states, head_logits, g, recipe):
     """EAGLE-1's loss per position (module docstring) and its parts: the teacher's
-    ``teacher_logits``/``states`` at positions ``1..T-1`` against the head's outputs."""
+    ``teacher_logits``/``states`` at positions ``1..T-1`` against the head's outputs (the
+    teacher's may broadcast against them: one copy for the K steps of a training-time test)."""
     token, kl, ce, agree = losses(teacher_logits, head_logits, recipe.ce_weight)
     feat = jnp.mean(smooth_l1(g, states), axis=-1)
     return recipe.feature_weight * feat + recipe.token_weight * token, kl, ce, agree, feat
@@ -142,12 +143,11 @@ def feature_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, 
         params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
         head_logits, g = ttt_forward(dnet, jax.tree.leaves(params), tokens[:, 1:], inputs, k)
         b = tokens.shape[0]
-        loss, kl, ce, agree, feat = (
-            x.reshape(b, k, n)
-            for x in feature_losses(
-                jnp.tile(logits[:, 1:], (1, k, 1)), jnp.tile(states[:, 1:], (1, k, 1)),
-                head_logits, g, recipe,
-            )
+        # the K steps against one copy of the teacher ([B, 1, n, ...], broadcast): a tiled
+        # [B, K·n, V] teacher and its log-probabilities made 57 GiB of temporaries at 32 x 512
+        loss, kl, ce, agree, feat = feature_losses(
+            logits[:, None, 1:], states[:, None, 1:], head_logits.reshape(b, k, n, -1),
+            g.reshape(b, k, n, -1), recipe,
         )  # fmt: skip
         metrics = {"kl": kl[:, 0].mean(), "ce": ce[:, 0].mean(), "agree": agree[:, 0].mean(),
                    "feat": feat[:, 0].mean(),
