@@ -67,8 +67,8 @@ FORMS = {
 # dtype, the tied embedding's (bits, group)). q4_1 / q8_0 are GGUF's layouts as the shipped
 # SmolLM2 GGUF has them (Q4_1 layers, a Q8_0 embedding); int8 / int4 are `convert --quantize`'s.
 QUANT = {
-    "int8": (8, None, False, jnp.float32, None),
-    "int4": (4, 128, False, jnp.float32, None),
+    "int8": (8, None, False, jnp.bfloat16, None),
+    "int4": (4, 128, False, jnp.bfloat16, None),
     "q8_0": (8, 32, False, jnp.float16, None),
     "q4_1": (4, 32, True, jnp.float16, (8, 32)),
 }
@@ -131,11 +131,17 @@ def quantized_twin(model, kind: str):
     )
     state = jax.tree.map(lambda x: x, model.params)
     nnx.replace_by_pure_dict(state, pure)
-    return with_params(model, state, name=f"{model.name}-{kind}")
+    return Q.for_wgmma(with_params(model, state, name=f"{model.name}-{kind}"))
+
+
+def _nbytes(x) -> int:
+    """Bytes of an array as stored (int4: two codes a byte, where ``itemsize`` says 1)."""
+    bits = 4 if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else 8
+    return x.size * jnp.dtype(x.dtype).itemsize * bits // 8
 
 
 def param_bytes(cfg: ModelConfig, params) -> int:
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    total = sum(_nbytes(x) for x in jax.tree.leaves(params))
     if not cfg.tie_word_embeddings:  # the input embedding: one row per token is read
         total -= cfg.vocab_size * cfg.hidden_size * jax.tree.leaves(params)[0].dtype.itemsize
     return total

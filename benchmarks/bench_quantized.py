@@ -12,7 +12,8 @@ skipped and says so):
 - ``check``: a 4-layer SmolLM2-shape model in float32, its projections Q4_1-style: greedy tokens
   with the GPU defaults (dequantizing split-K projection kernels) equal the XLA path's
   (``quant_matmul="xla"``, no fused kernels), and the dequantizing kernel's products equal
-  dequantize-then-matmul for int8 / int4 (max relative error).
+  dequantize-then-matmul for int8 / int4 (max relative error); on a Hopper GPU the same for
+  the WGMMA kernel (``quant_wgmma``) in bf16, with bf16 and float32 scales, at 1, 8, 13 rows.
 - ``sweep``: ``qmatmul`` alone on Llama-3-8B's gate/up (4096 x 14336) and down (14336 x 4096)
   projections, at 8 rows (the model pads a decode step's stream to 8 on a GPU) and at 1 (the
   kernel pads every step to 16 tensor-core rows), int8 and int4, for each tile of ``TILES``:
@@ -22,9 +23,11 @@ skipped and says so):
   bits and rows, the XLA path on the same shapes (``quant.dequantize`` to bf16, then ``jnp.dot``,
   in one jitted loop: XLA may fuse the convert into its GEMM; GB/s of the packed bytes), and a
   bf16 ``jnp.dot`` of the dense weights (GB/s of their bf16 bytes): the floor the quantized
-  kernels must beat.
+  kernels must beat. At 8 rows also the WGMMA kernel (``quant_wgmma``, K-major codes, bf16
+  scales) for each of ``WGMMA_TILES``.
 - ``steps``: ``bench_decode_gpu.run_case`` (one jitted loop of decode steps, cache donated) on
-  Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128), each also
+  Llama-3-8B at B=1, 4K: bf16, int8 (a scale per channel) and int4 (groups of 128), bf16
+  scales (on a Hopper GPU laid out for the WGMMA kernel, ``quantized.for_wgmma``), each also
   through the XLA path (``+xla``: ``KernelConfig(quant_matmul="xla")``); then the SmolLM2-135M
   shape at B=1, 1K: bf16 and its GGUF layout (Q4_1 layers, Q8_0 embedding). The floor is the
   bytes as stored (codes, scales, mins) plus the K/V in view, over 4.3 TB/s.
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
@@ -65,7 +69,7 @@ from jaxspec.io.default_model import default_checkpoint
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.transformer import new_model
 from jaxspec.timing import loop_ms, repeat
-from pallas_kernels import quant, quant_linear
+from pallas_kernels import quant, quant_linear, quant_wgmma
 
 SECTIONS = ("check", "sweep", "steps", "real")
 # (BN, BK, K splits, warps, stages), K splits by quant_linear.plan: the two H200 sweeps of the
@@ -77,6 +81,13 @@ TILES = (
     (256, 64, None, 4, 4),
     (256, 128, None, 4, 3),
 )
+# (bk, stages, K splits) of quant_wgmma (the Mosaic GPU kernel; splits None: by its plan), per bits
+# (bk, stages, K splits, channels a warpgroup) of quant_wgmma (the Mosaic GPU kernel; None: its
+# defaults), per bits; its weights with bf16 scales, as `convert --quantize` stores them for bf16
+WGMMA_TILES = {
+    8: ((None, None, None, None), (256, 3, None, 64), (256, 2, None, 128)),
+    4: ((None, None, None, None), (128, 4, None, 64), (128, 4, None, 128)),
+}
 COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
@@ -113,6 +124,31 @@ def check(smoke: bool) -> dict:
             want = quant_linear.qmatmul_reference(x, w)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             out[f"int{bits}{suffix}_max_rel_err"] = err
+    if jax.default_backend() == "gpu":
+        out.update(check_wgmma(rng))
+    return out
+
+
+def check_wgmma(rng) -> dict:
+    """The Mosaic GPU kernel's products against dequantize-then-matmul in bf16 (max relative
+    error), for bf16 and float32 scales, at 1, 8 and 13 rows."""
+    out = {}
+    for bits, group in ((8, None), (4, 128)):
+        wf = jnp.asarray(rng.standard_normal((1024, 768)), jnp.bfloat16)
+        for sdt in (jnp.bfloat16, jnp.float32):
+            w = quant.quantize(wf, bits, group, scale_dtype=sdt)
+            key = f"wgmma_int{bits}_{jnp.dtype(sdt).name}_scales"
+            try:
+                kw = quant_wgmma.prepare(w)
+                for m in (1, 8, 13):
+                    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+                    got = quant_wgmma.qmatmul(x, kw)
+                    want = quant_linear.qmatmul_reference(x, w)
+                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                    out[f"{key}_rows{m}_max_rel_err"] = err
+            except Exception as e:  # recorded: the rest of the run still measures
+                out[f"{key}_error"] = f"{type(e).__name__}: {e}"[:600]
+            print(json.dumps({k: v for k, v in out.items() if k.startswith(key)}), flush=True)
     return out
 
 
@@ -159,7 +195,7 @@ def _timed(product, x: dict, weights: dict) -> dict:
 
 
 def _nbytes(w) -> int:
-    return w.nbytes if quant.is_quantized(w) else w.size * w.dtype.itemsize
+    return w.size * w.dtype.itemsize if isinstance(w, jax.Array) else w.nbytes
 
 
 def _best(measured: list[dict], **match) -> list | None:
@@ -200,6 +236,27 @@ def sweep(smoke: bool) -> dict:
                     rows.append({**head, **_timed(_kernel(tile), x, weights)})
                 except Exception as e:  # a tile Triton cannot compile is a row, not the end
                     rows.append({**head, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(json.dumps(rows[-1]), flush=True)
+            prepared = {}
+            for tile in WGMMA_TILES[bits] if m == 8 and not smoke else ():
+                head = {"rows": m, "bits": bits, "path": "wgmma", "tile": list(tile)}
+                try:
+                    group = 128 if bits == 4 else None
+                    prepared = prepared or {
+                        n: [
+                            quant_wgmma.prepare(quant.quantize(w, bits, group, jnp.bfloat16))
+                            for w in ws
+                        ]
+                        for n, ws in dense.items()
+                    }
+                    bk, stages, splits, tm = tile
+                    product = functools.partial(
+                        quant_wgmma.qmatmul, bk=bk, splits=splits, stages=stages, tm=tm
+                    )
+                    run = _timed(product, x, prepared)
+                    rows.append({**head, **run})
+                except Exception as e:
+                    rows.append({**head, "error": f"{type(e).__name__}: {e}"[:600]})
                 print(json.dumps(rows[-1]), flush=True)
             key = f"{bits}:{m}"
             tile = _best(rows, rows=m, bits=bits, path="qmatmul")

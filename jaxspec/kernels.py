@@ -434,6 +434,11 @@ def _check_quant_tile(tile) -> None:
             raise OptionError(f"quant_tile's {what} must be positive, got {v!r}.")
 
 
+def linear_fits(cfg: ModelConfig) -> bool:
+    """Whether this model's layers take the split-K projection kernels on a GPU by default."""
+    return not _linear_unfit(cfg, DEFAULTS["gpu"]["linear_tile"])
+
+
 def _linear_unfit(cfg: ModelConfig, tile) -> bool:
     """Layers the split-K projection kernels should not take: biased projections, and sizes whose
     norm programs would re-read too many partials (``fused_linear.layer_problem``)."""

@@ -70,6 +70,7 @@ from pallas_kernels.quant_linear import (
     tile_dot,
     weight_tiles,
 )
+from pallas_kernels.quant_wgmma import KMajorWeight
 
 MAX_ROWS = 16  # more rows: XLA's GEMMs win, the model takes the plain path
 BN = 64  # columns a program (a power of two): one 128-byte line of bf16 a row
@@ -103,6 +104,8 @@ def unsupported_reason(x, *weights) -> str | None:
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for all)"
     for w in weights:
+        if isinstance(w, KMajorWeight):
+            return "a K-major quantized weight (quant_wgmma's layout)"
         if len(w.shape) != 2 or w.shape[0] != k:
             return f"weight {w.shape} does not take rows of width {k}"
     return None

@@ -113,7 +113,9 @@ def convert(
         keep = quantize == "source"
         with bar:
             tensors = _counted(reader.tensors(cfg, keep=keep), bar, check)
-            tree = hf_to_tree(tensors, cfg, np_dtype, _quantizer(quantize, group_size, cfg))
+            tree = hf_to_tree(
+                tensors, cfg, np_dtype, _quantizer(quantize, group_size, cfg, np_dtype)
+            )
         if keep and getattr(reader, "dequantized", None):
             _note_dequantized(src, reader.dequantized, np_dtype)
         tok = reader.tokenizer() if tokenizer else None
@@ -151,17 +153,24 @@ def _quantize_option(quantize, group_size) -> tuple[str, int | None]:
     return quantize, group_size
 
 
-def _quantizer(quantize: str, group: int | None, cfg: ModelConfig):
-    """``hf_to_tree``'s ``quantize`` hook for ``int8`` / ``int4`` (None otherwise)."""
+def _quantizer(quantize: str, group: int | None, cfg: ModelConfig, dtype=None):
+    """``hf_to_tree``'s ``quantize`` hook for ``int8`` / ``int4`` (None otherwise). Scales are
+    kept in the stored dtype when it has 16 bits (bf16 / f16: ``q * s`` is exact in float32,
+    and Hopper's WGMMA kernel dequantizes in bf16 directly, ``quant_wgmma``), else float32."""
     if quantize not in ("int8", "int4"):
         return None
     bits = int(quantize[3:])
+    scale_dtype = jnp.float32
+    if dtype is not None and jnp.dtype(dtype).itemsize == 2:
+        scale_dtype = jnp.dtype(dtype)
 
     def one(path: tuple, arr: np.ndarray):
         if not Q.quantizable(path, cfg):
             return arr
         name, transpose = Q.path_name(path), path == Q.EMBEDDING
-        w = Q.quantize_array(name, np.asarray(arr, np.float32), bits, group, transpose)
+        w = Q.quantize_array(
+            name, np.asarray(arr, np.float32), bits, group, transpose, scale_dtype=scale_dtype
+        )
         return jax.tree.map(np.asarray, w)  # host arrays, as the rest of the tree
 
     return one
@@ -380,7 +389,9 @@ def load(
     tok = None
     if (path / "tokenizer").is_dir():
         tok = load_tokenizer(str(path / "tokenizer"))
-    return Model(cfg, graphdef, state, tok, name=path.name)
+    model = Model(cfg, graphdef, state, tok, name=path.name)
+    # kept quantized on one Hopper GPU: the WGMMA kernel's K-major layout, laid out once here
+    return Q.for_wgmma(model) if fmts and keep and mesh is None else model
 
 
 def _read_checkpoint(path: pathlib.Path) -> tuple[ModelConfig, str | None, dict]:

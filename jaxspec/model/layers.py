@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, Int
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.kernels import KernelConfig
 from jaxspec.model import exact
-from pallas_kernels import quant, quant_linear
+from pallas_kernels import quant, quant_linear, quant_wgmma
 from pallas_kernels.quant import QuantizedWeight
 
 
@@ -86,15 +86,30 @@ def quant_mode(x, w: QuantizedWeight, kernels: KernelConfig) -> str | None:
     return mode if quant_linear.unsupported_reason(rows, w) is None else None
 
 
+def dequantized(w, dtype):
+    """A dense, ``QuantizedWeight`` or ``KMajorWeight`` weight as a dense ``[din, dout]``."""
+    if isinstance(w, quant_wgmma.KMajorWeight):
+        return quant_wgmma.dequantize(w, dtype)
+    return quant.dequantize(w, dtype) if quant.is_quantized(w) else w
+
+
 def project(x, w, kernels: KernelConfig, out_dtype=None, *, w_out_in: bool = False):
     """``x @ w`` for ``x [..., din]`` and a dense ``w [din, dout]`` (``matmul``, rows padded to
-    ``kernels.gemm_rows``) or a ``QuantizedWeight``: through ``quant_linear.qmatmul`` (steps of
-    at most 16 rows, ``kernels.quant_matmul``), else dequantized, then multiplied by XLA;
+    ``kernels.gemm_rows``), a ``KMajorWeight`` (Hopper's WGMMA kernel, ``quant_wgmma``, for
+    steps of at most 16 rows with ``kernels.quant_matmul="pallas"``), or a ``QuantizedWeight``:
+    through ``quant_linear.qmatmul`` (steps of at most 16 rows, ``kernels.quant_matmul``);
+    otherwise a quantized weight is dequantized, then multiplied by XLA;
     invariant numerics take ``exact.tiled_matmul`` either way. ``w_out_in``: a dense ``w`` is
     ``[dout, din]`` (``matmul``'s). The result has ``out_dtype`` (default ``x``'s)."""
     if kernels.invariant:  # one GEMM shape, a tile at a time (model/exact.py)
-        dense = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w
+        dense = dequantized(w, x.dtype)
         return exact.tiled_matmul(x, dense.T if w_out_in else dense, out_dtype)
+    if isinstance(w, quant_wgmma.KMajorWeight):
+        rows = x.reshape(-1, x.shape[-1])
+        if kernels.quant_matmul != "pallas" or quant_wgmma.unsupported_reason(rows, w):
+            return matmul(x, quant_wgmma.dequantize(w, x.dtype), kernels.gemm_rows, out_dtype)
+        y = quant_wgmma.qmatmul(rows, w)
+        return y.astype(out_dtype or x.dtype).reshape(*x.shape[:-1], w.shape[1])
     if not quant.is_quantized(w):
         return matmul(x, w, kernels.gemm_rows, out_dtype, w_out_in=w_out_in)
     if w_out_in:

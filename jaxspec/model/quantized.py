@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.model.transformer import Model, abstract_model, with_params
-from pallas_kernels import quant
+from pallas_kernels import quant, quant_wgmma
 from pallas_kernels.quant import QuantizedWeight
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,13 +88,15 @@ def check_group(name: str, k: int, bits: int, group: int | None) -> None:
         )
 
 
-def quantize_array(name: str, w, bits: int, group: int | None, transpose: bool = False):
+def quantize_array(
+    name: str, w, bits: int, group: int | None, transpose: bool = False, scale_dtype=jnp.float32
+):
     """One float parameter quantized (``transpose``: an embedding ``[V, D]``, quantized as the
-    LM head ``[D, V]``)."""
+    LM head ``[D, V]``), its scales in ``scale_dtype``."""
     w = jnp.asarray(w)
     w = w.T if transpose else w
     check_group(name, w.shape[0], bits, group)
-    return quant.quantize(w, bits, group)
+    return quant.quantize(w, bits, group, scale_dtype=scale_dtype)
 
 
 def quantize_params(pure: dict, cfg: ModelConfig, bits: int, group: int | None = None) -> dict:
@@ -114,6 +116,8 @@ def dequantize_params(pure: dict, dtype=None) -> dict:
     its own), an embedding back to ``[V, D]``."""
 
     def one(path, x):
+        if isinstance(x, quant_wgmma.KMajorWeight):
+            return quant_wgmma.dequantize(x, dtype)
         if not quant.is_quantized(x):
             return x
         w = _DEQUANTIZE(x, None if dtype is None else jnp.dtype(dtype))
@@ -146,12 +150,45 @@ def dequantize_model(model: Model, dtype=None) -> Model:
     return _with_pure(model, dequantize_params(nnx.to_pure_dict(model.params), dtype))
 
 
+def _any_quantized(x) -> bool:
+    return quant.is_quantized(x) or isinstance(x, quant_wgmma.KMajorWeight)
+
+
 def is_quantized_model(model: Model) -> bool:
-    return any(quant.is_quantized(x) for x in _leaves(nnx.to_pure_dict(model.params)))
+    return any(_any_quantized(x) for x in _leaves(nnx.to_pure_dict(model.params)))
 
 
 def _leaves(pure):
-    return jax.tree.leaves(pure, is_leaf=quant.is_quantized)
+    return jax.tree.leaves(pure, is_leaf=_any_quantized)
+
+
+def kmajor_model(model: Model) -> Model:
+    """``model`` with every quantized projection and LM head that ``quant_wgmma`` can lay out
+    (symmetric, no mins; groups of a whole number of its K steps: per-channel int8, int4 in
+    groups of 128) in its K-major layout (``quant_wgmma.prepare``, once); the rest as it is. Its
+    programs dequantize the laid-out weights exactly as the stored ones (``quant_wgmma
+    .dequantize``) wherever the WGMMA kernel does not run."""
+
+    def one(path, x):
+        if not quant.is_quantized(x) or path == EMBEDDING or quant_wgmma.unsupported_weight(x):
+            return x
+        return quant_wgmma.prepare(x)
+
+    return _with_pure(model, _walk(nnx.to_pure_dict(model.params), one))
+
+
+def for_wgmma(model: Model, device=None) -> Model:
+    """``kmajor_model(model)`` where Hopper's WGMMA kernel would run it: an sm_90 GPU
+    (``device``, default JAX's first), bf16/f16 compute, and layers that do not take the fused
+    split-K kernels (those take ``QuantizedWeight``: small models, ``kernels.linear_fits``);
+    elsewhere ``model`` itself. For one-device programs (the sharding rules know only
+    ``QuantizedWeight``); never saved (checkpoints keep the stored layout)."""
+    from jaxspec.kernels import linear_fits
+
+    half = jnp.dtype(model.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if not half or not quant_wgmma.device_supported(device) or linear_fits(model.config):
+        return model
+    return kmajor_model(model)
 
 
 def abstract_params(cfg: ModelConfig, dtype, fmts: dict[str, dict]):

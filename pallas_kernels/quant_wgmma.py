@@ -1,0 +1,316 @@
+"""Quantized projections on Hopper's tensor cores (Mosaic GPU): ``x @ w`` for steps of at most
+16 rows, the weight streamed by TMA into shared memory and dequantized into the WGMMA's register
+operand, never written anywhere as floats.
+
+The weight is the WGMMA's A operand (``y^T = w^T x^T``): a warpgroup's 64 (or 128: two
+instructions) output channels are its M and the step's rows (padded to 8 or 16) its N, so no
+tensor-core row is spent on padding rows beyond 8. The codes must then be K-major, ``[N, K]``,
+which ``prepare`` lays out once (``jaxspec.model.quantized.for_wgmma`` at load, not per step):
+
+- 8 bits: ``values.T``, int8 ``[N, K]``;
+- 4 bits: the packed bytes transposed, ``[N, K/2]``, each nibble's sign bit flipped (the stored
+  code ``q + 8`` becomes ``q`` as a signed nibble) and read as int4 ``[N, K]``. A byte holds rows
+  ``j`` and ``j + G/2`` of its group (GGUF's order, ``quant.low_row``), so the int4 array's K
+  axis is the group's rows interleaved; ``permute_rows`` puts the activations' columns in the
+  same order (a product summed over K does not care which order, only that both agree).
+
+Scales ``[K / group, N]`` stay as stored. One K step of ``bk`` rows lies in one group
+(``group % bk == 0``), so it dequantizes with one scale per output channel, a row of the
+warpgroup's channels broadcast over the tile's columns in registers. GGUF's groups of 32 and
+Q4_1's / AWQ's mins are not laid out: they take ``quant_linear``'s Triton kernel.
+
+Numerics: a weight dequantizes to ``q * s`` rounded once to bf16, which is
+``quant.dequantize``'s value to the bit when the scale is bf16 (the product of an 8-bit integer
+and an 8-bit significand is exact before its one rounding); float32 scales take the same
+product in float32, then round. The products with the activations accumulate in float32 on the
+tensor cores, so only the order of the sums differs from dequantize-then-matmul.
+
+Program ``(j, s)`` of the grid ``(N / channels, splits)`` runs a pipeline of ``stages`` TMA loads
+over its split's K steps and writes float32 partial sums ``[S, N, R]`` (channels major, as the
+accumulator holds them); ``qmatmul`` sums them and transposes back, which XLA fuses into one
+small kernel after each projection (a direct transposed store is not one Mosaic GPU lowers:
+"tiled strides must be a multiple of the vector length"). This kernel runs only
+compiled on a Hopper GPU: the Pallas interpreter does not run Mosaic GPU's WGMMA, so its tests on
+a CPU lower it (every layout and shape check of Mosaic's Python side) and check ``prepare`` and
+``permute_rows`` exactly; the products are checked on the GPU (benchmarks/bench_quantized.py's
+``check`` section and tests marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Shaped
+
+from pallas_kernels import quant
+from pallas_kernels.pytree import pytree_dataclass
+from pallas_kernels.quant import QuantizedWeight
+
+TN = 64  # output channels a program: the WGMMA's M
+MAX_ROWS = 16
+TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
+# K rows a step, pipeline stages and output channels a warpgroup (one WGMMA's M is 64), by bits;
+# compute warpgroups a program. One H100, CUPTI kernel times, Llama-3-8B's gate/up, down, q at 8
+# rows (2026-12-06, benchmarks/notes/quantized.md): int8 256 x 2 stages x 64 channels 22.9 / 22.5
+# / 8.4 us (3 stages 23.3 / 23.1 / 8.7, 6: 28.7 / 27.8, fewer programs fit an SM; 128 channels
+# 24.2 / 23.9 / 9.4; 512-row steps 24.3 / 23.3 / 9.2); int4 128 x 3 x 128 channels 16.5 / 15.6 /
+# 5.3 (64 channels, 4 stages 18.9 / 16.8 / 5.9). One warpgroup issuing its own TMA loads beat one
+# or two compute warpgroups fed by a loading one (int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1).
+BK = {8: 256, 4: 128}
+STAGES = {8: 2, 4: 3}
+TM = {8: 64, 4: 128}
+WGS = 0
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_STATIC = dict(static=True)
+
+
+@pytree_dataclass
+class KMajorWeight:
+    """A quantized ``[K, N]`` weight laid out for this kernel (``prepare``): ``values`` int8
+    ``[N, K]`` or int4 ``[N, K]`` (rows of K in ``permute_rows`` order), ``scales [K/group,
+    N]``. Static: ``bits``, ``group``, ``dtype`` (the compute dtype)."""
+
+    values: Shaped[Array, "n k"]
+    scales: Float[Array, "g n"]
+    bits: int = dataclasses.field(metadata=_STATIC)
+    group: int = dataclasses.field(metadata=_STATIC)
+    dtype: str = dataclasses.field(metadata=_STATIC)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the matrix it stands for, ``(K, N)``."""
+        return self.values.shape[1], self.values.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full read of it costs: codes and scales."""
+        n, k = self.values.shape
+        return n * k * self.bits // 8 + self.scales.size * jnp.dtype(self.scales.dtype).itemsize
+
+
+def unsupported_weight(w) -> str | None:
+    """Why ``prepare`` cannot lay out this weight (None: it can)."""
+    if not quant.is_quantized(w):
+        return "the weight is not quantized"
+    if w.mins is not None:
+        return "asymmetric weights (with mins) take the Triton kernel"
+    k, n = w.shape
+    bk = BK[w.bits]
+    if n % TN:
+        return f"N={n} is not a multiple of {TN}"
+    if k % bk or w.group % bk:
+        return f"K={k} in groups of {w.group} does not cut into whole {bk}-row steps"
+    return None
+
+
+def prepare(w: QuantizedWeight) -> KMajorWeight:
+    """``w`` laid out K-major for the kernel (module docstring). Run once per weight."""
+    why = unsupported_weight(w)
+    if why is not None:
+        raise ValueError(f"quant_wgmma.prepare: {why}")
+    if w.bits == 8:
+        values = jnp.asarray(w.values).T
+    else:
+        flipped = jnp.asarray(w.values).T ^ jnp.uint8(0x88)
+        n, kp = flipped.shape
+        values = jax.lax.bitcast_convert_type(flipped, jnp.int4).reshape(n, 2 * kp)
+    return KMajorWeight(values, jnp.asarray(w.scales), w.bits, w.group, w.dtype)
+
+
+def device_supported(device=None) -> bool:
+    """Whether ``device`` (default: JAX's first) runs this kernel: WGMMA is Hopper's (sm_90)."""
+    device = device or jax.devices()[0]
+    cap = str(getattr(device, "compute_capability", ""))
+    return device.platform == "gpu" and cap.split(".")[0] == "9"
+
+
+def unpermute_rows(a: Shaped[Array, "... k"], bits: int, group: int) -> Shaped[Array, "... k"]:
+    """``permute_rows``' inverse along the last axis."""
+    if bits == 8:
+        return a
+    *lead, k = a.shape
+    return a.reshape(*lead, k // group, group // 2, 2).swapaxes(-1, -2).reshape(*lead, k)
+
+
+def dequantize(w: KMajorWeight, dtype=None) -> Float[Array, "k n"]:
+    """The float matrix ``[K, N]`` in ``dtype`` (default ``w.dtype``): ``quant.dequantize``'s
+    value to the bit (``q * s`` in float32, one rounding)."""
+    q = unpermute_rows(w.values.astype(jnp.float32), w.bits, w.group).T
+    s = jnp.repeat(w.scales.astype(jnp.float32), w.group, axis=0)
+    return (q * s).astype(dtype or w.dtype)
+
+
+def unsupported_reason(x, w) -> str | None:
+    """Why ``qmatmul`` cannot take rows ``x`` (None when it can)."""
+    if not isinstance(w, KMajorWeight):
+        return "the weight is not laid out by quant_wgmma.prepare"
+    if x.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"rows {x.shape} do not take a weight of shape {w.shape}"
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return f"{x.shape[0]} rows not in [1, {MAX_ROWS}]"
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+        return f"rows of {x.dtype} with a weight computing in {w.dtype}"
+    if jnp.dtype(w.dtype) not in HALF:
+        return f"compute dtype {w.dtype}: the WGMMA takes bf16/f16 operands (float32: tf32)"
+    return None
+
+
+def permute_rows(x: Float[Array, "m k"], bits: int, group: int) -> Float[Array, "m k"]:
+    """``x``'s columns in the order of ``prepare``'s K axis: unchanged for 8 bits; for 4 bits,
+    each group's rows ``j`` and ``j + group/2`` side by side."""
+    if bits == 8:
+        return x
+    m, k = x.shape
+    return x.reshape(m, k // group, 2, group // 2).swapaxes(2, 3).reshape(m, k)
+
+
+def plan(k: int, n: int, bk: int, splits: int | None, cta: int = 64) -> tuple[int, int]:
+    """``(splits, K steps a split)``: about ``splits`` (None: enough for ``TARGET_PROGRAMS``),
+    each the same whole number of ``bk``-row steps."""
+    steps = k // bk
+    if splits is None:
+        splits = max(1, TARGET_PROGRAMS // (n // cta))
+    splits = max(1, min(splits, steps))
+    per = next(p for p in range(math.ceil(steps / splits), steps + 1) if steps % p == 0)
+    return steps // per, per
+
+
+def _swizzle(elems: int, dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
+    sw = plgpu.find_swizzle(elems * bits, "quant_wgmma")
+    return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "splits", "stages", "wgs", "tm"))
+def qmatmul_partials(
+    x: Float[Array, "r k"],
+    w: KMajorWeight,
+    *,
+    bk: int | None = None,
+    splits: int | None = None,
+    stages: int | None = None,
+    wgs: int | None = None,
+    tm: int | None = None,
+) -> Float[Array, "s n r"]:
+    """Float32 partial sums ``[S, N, R]`` of ``permute_rows(x) @ w`` transposed; ``x`` has
+    ``R`` (8 or 16) rows, already permuted (``qmatmul`` does both). ``wgs``: 0, one warpgroup
+    a program that issues its own TMA loads; n > 0, n compute warpgroups of 64 channels each
+    fed by a warpgroup that only issues the loads."""
+    r, k = x.shape
+    n = w.values.shape[0]
+    bk = bk or BK[w.bits]
+    wgs = WGS if wgs is None else wgs
+    tm = tm or (TM[w.bits] if n % TM[w.bits] == 0 else TN)
+    cta = tm * max(wgs, 1)
+    if n % cta:
+        raise ValueError(f"quant_wgmma: N={n} is not a multiple of {cta} ({wgs} warpgroups)")
+    n_split, per = plan(k, n, bk, splits, cta)
+    stages = max(1, min(stages or STAGES[w.bits], per))
+    dt = jnp.dtype(w.dtype)
+    per_group = w.group // bk  # K steps a scale row covers
+    wdt = jnp.int8 if w.bits == 8 else jnp.int4
+    x_tiles, w_tiles = _swizzle(bk, dt), _swizzle(bk, wdt)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    upcast = plgpu.Layout.WGMMA_UPCAST_2X if w.bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
+
+    def step(x_smem, w_smem, s_smem, acc):
+        scale = plgpu.load(s_smem, layout=row_layout)
+        q = plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA)
+        if jnp.dtype(scale.dtype) == dt:  # q * s exact before its one rounding
+            wv = q.astype(dt) * jax.lax.broadcast_in_dim(scale, q.shape, (0,))
+        else:
+            qf = q.astype(jnp.float32)
+            sf = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), q.shape, (0,))
+            wv = (qf * sf).astype(dt)
+        plgpu.wgmma(acc, wv, x_smem.T)
+        plgpu.wgmma_wait(0)
+        return acc
+
+    def specs(j, s):
+        def kstep(i):
+            return s * per + i
+
+        return [
+            plgpu.BlockSpec((r, bk), lambda i: (0, kstep(i)), transforms=x_tiles),
+            plgpu.BlockSpec((cta, bk), lambda i: (j, kstep(i)), transforms=w_tiles),
+            plgpu.BlockSpec((1, cta), lambda i: (kstep(i) // per_group, j)),
+        ]
+
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem):
+        j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+
+        def accumulate(acc):
+            plgpu.emit_pipeline(
+                lambda _, xs, ws, ss: step(xs, ws, ss.at[0], acc),
+                grid=(per,),
+                in_specs=specs(j, s),
+                max_concurrent_steps=stages,
+            )(x_gmem, w_gmem, s_gmem)
+            return acc[...]
+
+        result = pl.run_scoped(accumulate, plgpu.ACC((tm, r), jnp.float32))
+        o_gmem[pl.ds(s * n + j * tm, tm), :] = result
+
+    def kernel_ws(x_gmem, w_gmem, s_gmem, o_gmem):
+        j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        wg = jax.lax.axis_index("wg")
+        mine = pl.ds(wg * tm, tm)
+
+        def compute_context(pipeline):
+            def scoped(acc):
+                pipeline(acc)
+                o_gmem[pl.ds(s * n + j * cta + wg * tm, tm), :] = acc[...]
+
+            pl.run_scoped(scoped, plgpu.ACC((tm, r), jnp.float32))
+
+        plgpu.emit_pipeline_warp_specialized(
+            lambda _, xs, ws, ss, acc: step(xs, ws.at[mine], ss.at[0, mine], acc),
+            grid=(per,),
+            memory_registers=40,
+            in_specs=specs(j, s),
+            max_concurrent_steps=stages,
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            compute_context=compute_context,
+        )(x_gmem, w_gmem, s_gmem)
+
+    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs else {}
+    out = plgpu.kernel(
+        kernel_ws if wgs else kernel,
+        out_type=jax.ShapeDtypeStruct((n_split * n, r), jnp.float32),
+        grid=(n // cta, n_split),
+        grid_names=("n", "s"),
+        kernel_name=f"qmatmul_wgmma_int{w.bits}",
+        compiler_params=plgpu.CompilerParams(approx_math=False),
+        **threads,
+    )(x, w.values, w.scales)
+    return out.reshape(n_split, n, r)
+
+
+def rows_for(m: int) -> int:
+    return 8 if m <= 8 else 16
+
+
+def qmatmul(
+    x: Float[Array, "m k"],
+    w: KMajorWeight,
+    *,
+    bk=None,
+    splits=None,
+    stages=None,
+    wgs=None,
+    tm=None,
+) -> Float[Array, "m n"]:
+    """``x @ w`` in float32 (``x`` of at most 16 rows in ``w``'s compute dtype)."""
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"quant_wgmma.qmatmul: {m} rows not in [1, {MAX_ROWS}]")
+    xp = permute_rows(jnp.pad(x, ((0, rows_for(m) - m), (0, 0))), w.bits, w.group)
+    parts = qmatmul_partials(xp, w, bk=bk, splits=splits, stages=stages, wgs=wgs, tm=tm)
+    return jnp.sum(parts, axis=0)[:, :m].T

@@ -1,0 +1,205 @@
+"""Hopper's WGMMA kernel for quantized projections (pallas_kernels/quant_wgmma.py) and the
+K-major layout it reads.
+
+The kernel itself runs only compiled on an sm_90 GPU (the Pallas interpreter does not run Mosaic
+GPU's WGMMA), so on a CPU: the layout is checked exactly (its dequantization equals the stored
+weight's bit for bit; its permuted K axis meets the permuted activations), models laid out in it
+decode exactly as the stored layout does in every engine, and the kernel is lowered for CUDA,
+which runs Mosaic GPU's own shape and layout checks. The products are checked on the GPU (tests
+marked ``gpu``, and bench_quantized.py's ``check`` section)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.config import ModelConfig
+from jaxspec.kernels import KernelConfig
+from jaxspec.model import quantized as Q
+from jaxspec.model.layers import project
+from jaxspec.model.transformer import new_model
+from pallas_kernels import quant, quant_linear
+from pallas_kernels import quant_wgmma as qw
+from tests import tiny
+
+# (bits, group) the kernel takes: a scale per output channel (int8), groups of 128 (int4), and
+# int4 in groups of 256 (two K steps a scale row)
+LAYOUTS = [(8, None), (4, 128), (4, 256), (8, 256)]
+CFG = ModelConfig(  # every projection's K a multiple of 256 and N of 64
+    vocab_size=192,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+)
+
+
+def random_weight(rng, k, n, bits, group, scale_dtype, dtype=jnp.bfloat16):
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    return quant.quantize(w.astype(dtype), bits, group, scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("bits, group", LAYOUTS)
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
+def test_the_k_major_layout_dequantizes_to_the_stored_weight_bit_for_bit(bits, group, scale_dtype):
+    rng = np.random.default_rng(bits + (group or 0))
+    w = random_weight(rng, 512, 192, bits, group, scale_dtype)
+    kw = qw.prepare(w)
+    assert kw.shape == w.shape and kw.nbytes == w.nbytes
+    assert kw.values.dtype == (jnp.int8 if bits == 8 else jnp.int4)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        np.testing.assert_array_equal(
+            np.asarray(qw.dequantize(kw, dtype)), np.asarray(quant.dequantize(w, dtype))
+        )
+
+
+@pytest.mark.parametrize("group", [128, 256])
+def test_permuted_activations_meet_the_permuted_int4_codes(group):
+    """The int4 array's K axis interleaves each group's rows j and j + G/2 (one byte); the
+    activations permuted the same way give exactly the stored product (integer-valued floats,
+    so every sum is exact)."""
+    rng = np.random.default_rng(group)
+    k, n = 512, 128
+    w = quant.QuantizedWeight(
+        quant.pack4(rng.integers(0, 16, (k, n)).astype(np.uint8), group),
+        jnp.ones((k // group, n), jnp.bfloat16), None, 4, group, "float32",
+    )  # fmt: skip
+    kw = qw.prepare(w)
+    x = jnp.asarray(rng.integers(-3, 4, (5, k)), jnp.float32)
+    signed = np.asarray(quant.codes(w), np.float32) - quant.OFFSET4
+    got = qw.permute_rows(x, 4, group) @ kw.values.astype(jnp.float32).T
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x) @ signed)
+    np.testing.assert_array_equal(
+        np.asarray(qw.unpermute_rows(qw.permute_rows(x, 4, group), 4, group)), np.asarray(x)
+    )
+
+
+def test_weights_the_kernel_cannot_take_say_why():
+    rng = np.random.default_rng(0)
+    assert "mins" in qw.unsupported_weight(
+        dataclasses.replace(
+            random_weight(rng, 256, 64, 4, 128, jnp.float16),
+            mins=jnp.zeros((2, 64), jnp.float16),
+        )
+    )
+    assert "whole" in qw.unsupported_weight(random_weight(rng, 256, 64, 4, 32, jnp.float16))
+    assert "multiple of 64" in qw.unsupported_weight(random_weight(rng, 256, 96, 8, None, None))
+    assert "not quantized" in qw.unsupported_weight(jnp.ones((256, 64)))
+    with pytest.raises(ValueError, match="whole"):
+        qw.prepare(random_weight(rng, 320, 64, 8, None, jnp.bfloat16))
+    kw = qw.prepare(random_weight(rng, 256, 64, 8, None, jnp.bfloat16, dtype=jnp.float32))
+    assert "bf16/f16" in qw.unsupported_reason(jnp.ones((8, 256), jnp.float32), kw)
+    kw = kw.__class__(kw.values, kw.scales, kw.bits, kw.group, "bfloat16")
+    assert qw.unsupported_reason(jnp.ones((8, 256), jnp.bfloat16), kw) is None
+    assert "rows not in" in qw.unsupported_reason(jnp.ones((17, 256), jnp.bfloat16), kw)
+
+
+def test_plan_cuts_k_into_equal_splits():
+    assert qw.plan(4096, 14336, 256, None) == (1, 16)  # 224 programs already
+    assert qw.plan(14336, 4096, 256, None) == (4, 14)  # 64 column tiles: 4 splits
+    assert qw.plan(4096, 1024, 128, None) == (16, 2)
+    for k, n, bk, splits in ((4096, 128, 256, 7), (14336, 64, 128, 1000), (512, 64, 256, None)):
+        s, per = qw.plan(k, n, bk, splits)
+        assert s * per * bk == k
+
+
+@pytest.mark.parametrize(
+    "bits, group, rows, scale_dtype, wgs",
+    [
+        (8, None, 8, jnp.bfloat16, 0),
+        (8, None, 16, jnp.float32, 0),
+        (4, 128, 8, jnp.bfloat16, 0),
+        (4, 128, 16, jnp.bfloat16, 2),
+    ],
+)
+def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, wgs, monkeypatch):
+    """Lowered for CUDA here: Mosaic GPU's Python side builds the kernel (TMA transforms, the
+    upcast register layouts, the WGMMA's operand shapes) and raises on any mismatch."""
+    w = qw.prepare(random_weight(np.random.default_rng(1), 1024, 512, bits, group, scale_dtype))
+    x = jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16)
+    lowered = qw.qmatmul_partials.trace(x, w, wgs=wgs).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and f"tensor<{rows}x1024xbf16>" in text
+
+
+def _kmajor_pair(seed: int, dtype=jnp.float32):
+    model = new_model(CFG, seed=seed, dtype=dtype)
+    target = Q.quantize_model(model, 8)
+    draft = Q.quantize_model(tiny.perturbed(model, 0.3, seed), 4, 128)
+    return target, draft
+
+
+def test_a_k_major_model_decodes_as_the_stored_layout_in_every_engine():
+    """float32, the XLA path (the kernel is the GPU's): laid out K-major, a quantized target and
+    draft give the stored layout's autoregressive tokens in chain, tree and magicdec."""
+    target, draft = _kmajor_pair(3)
+    kt, kd = Q.kmajor_model(target), Q.kmajor_model(draft)
+    leaves = jax.tree.leaves(kt.params, is_leaf=lambda x: isinstance(x, qw.KMajorWeight))
+    laid = [x for x in leaves if isinstance(x, qw.KMajorWeight)]
+    assert len(laid) == 2 * 7 + 1 and Q.is_quantized_model(kt)  # the projections and LM head
+    ps = tiny.prompts(3, lengths=(21, 4, 9), vocab=CFG.vocab_size)
+    ref = jaxspec.generate(target, ps, max_new_tokens=10).tokens
+    assert jaxspec.generate(kt, ps, max_new_tokens=10).tokens == ref
+    for method, opts in (
+        ("chain", dict(gamma=3)),
+        ("tree", dict(depth=2, width=2, branch=2, bs=4)),
+        ("magicdec", dict(gamma=2, sparse="dense")),
+    ):
+        r = jaxspec.generate(kt, ps, draft=kd, method=method, max_new_tokens=10, **opts)
+        assert r.tokens == ref, method
+        assert r.stats["acceptance_length"] > 1.0, method  # the draft agrees sometimes
+    dense = Q.dequantize_model(kt)
+    assert not Q.is_quantized_model(dense)
+    assert jaxspec.generate(dense, ps, max_new_tokens=10).tokens == ref
+
+
+def test_for_wgmma_lays_out_only_where_the_kernel_runs(monkeypatch):
+    import jaxspec.kernels
+
+    target, _ = _kmajor_pair(4, jnp.bfloat16)
+    assert Q.for_wgmma(target) is target  # this CPU is no sm_90 GPU
+    monkeypatch.setattr(qw, "device_supported", lambda device=None: True)
+    assert jaxspec.kernels.linear_fits(CFG)
+    assert Q.for_wgmma(target) is target  # its small layers take the fused split-K kernels
+    monkeypatch.setattr(jaxspec.kernels, "linear_fits", lambda cfg: False)
+    laid = Q.for_wgmma(target)
+    down = laid.params["layers"][0]["mlp"]["down_proj"]["kernel"].get_value()
+    assert isinstance(down, qw.KMajorWeight) and down.bits == 8
+    f32, _ = _kmajor_pair(4, jnp.float32)
+    assert Q.for_wgmma(f32) is f32  # float32 compute: the WGMMA would round to tf32
+
+
+def test_project_takes_a_k_major_weight_through_the_xla_path_exactly():
+    rng = np.random.default_rng(5)
+    w = random_weight(rng, 512, 192, 4, 128, jnp.bfloat16, dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
+    kernels = KernelConfig().resolve(CFG)
+    want = project(x, w, kernels)
+    np.testing.assert_array_equal(np.asarray(project(x, qw.prepare(w), kernels)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, group", [(8, None), (4, 128)])
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [1, 8, 13, 16])
+def test_the_kernel_multiplies_as_dequantize_then_matmul_on_hopper(bits, group, scale_dtype, rows):
+    """Compiled on an sm_90 GPU: the same bf16 weights, so only the order of the float32 sums
+    differs (observed ~2e-7 relative on an H100); fresh inputs, back to back calls."""
+    assert qw.device_supported(), "needs an sm_90 GPU"
+    rng = np.random.default_rng(rows)
+    w = random_weight(rng, 2048, 768, bits, group, scale_dtype)
+    kw = qw.prepare(w)
+    for _ in range(3):
+        x = jnp.asarray(rng.standard_normal((rows, 2048)), jnp.bfloat16)
+        got = np.asarray(qw.qmatmul(x, kw))
+        want = np.asarray(quant_linear.qmatmul_reference(x, w))
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
