@@ -244,7 +244,9 @@ def sweep(smoke: bool) -> dict:
                     group = 128 if bits == 4 else None
                     prepared = prepared or {
                         n: [
-                            quant_wgmma.prepare(quant.quantize(w, bits, group, jnp.bfloat16))
+                            quant_wgmma.prepare(
+                                quant.quantize(w, bits, group, scale_dtype=jnp.bfloat16)
+                            )
                             for w in ws
                         ]
                         for n, ws in dense.items()
