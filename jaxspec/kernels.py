@@ -90,10 +90,11 @@ DEFAULTS = {
         row_padding="stream",
         prefill_chunk=None,  # by batch: prefill_tokens()
         loop_chunk=None,  # by engine: loop_steps()
-        # quantized projections of steps of at most 16 rows dequantize in the kernel
-        # (pallas_kernels/quant_linear.py), never materialising a float copy of the weight; the
-        # tile is the kernel's own default until benchmarks/gpu/quantized.sh has swept it on an
-        # H200 (its "sweep" rows): PENDING that run, not measured yet
+        # quantized projections of steps of at most 16 rows dequantize in the kernel, never
+        # materialising a float copy of the weight: Hopper's WGMMA kernel for weights laid out
+        # K-major (pallas_kernels/quant_wgmma.py; Llama-3-8B-shape step int8 4.39 / int4 3.35 ms
+        # against 6.16 bf16 and 5.47 / 4.63 through the Triton kernel, one H100,
+        # benchmarks/results/quantized.json), the Triton kernel (quant_linear.py) for the rest
         quant_matmul="pallas",
         quant_tile=None,
         # GSPMD over two H200s: Llama-3-8B-shape step 6.0 ms against 4.75 on one GPU
@@ -130,9 +131,10 @@ class KernelConfig:
     linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
     quant_matmul:    quantized projections of steps of at most 16 rows: "pallas" (dequantized in
-                     the kernel), "interpret", "xla" (dequantize, then XLA's GEMM); more rows
+                     the kernel: quant_wgmma's for K-major weights, quant_linear's for the
+                     rest), "interpret", "xla" (dequantize, then XLA's GEMM); more rows
                      always take "xla".
-    quant_tile:      (BN, BK, K splits, warps, stages) of that kernel (None entries: its own
+    quant_tile:      (BN, BK, K splits, warps, stages) of the Triton kernel (None entries: its own
                      defaults; splits None: enough programs to fill the GPU).
     gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).

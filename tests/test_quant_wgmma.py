@@ -177,6 +177,22 @@ def test_for_wgmma_lays_out_only_where_the_kernel_runs(monkeypatch):
     assert Q.for_wgmma(f32) is f32  # float32 compute: the WGMMA would round to tf32
 
 
+def test_wgmma_takes_says_whether_load_would_keep_the_weights(monkeypatch):
+    """``load``'s GPU default keeps a checkpoint's weights quantized where the kernel takes them."""
+    import jaxspec.kernels
+
+    int8 = {"layers.0.mlp.up_proj.kernel": dict(bits=8, group=256, scales="bfloat16", mins=None)}
+    q4_1 = {"layers.0.mlp.up_proj.kernel": dict(bits=4, group=32, scales="float16", mins="float16")}
+    embed = {"embed_tokens": dict(bits=8, group=256, scales="bfloat16", mins=None)}
+    assert not Q.wgmma_takes(CFG, jnp.bfloat16, int8)  # no sm_90 GPU here
+    monkeypatch.setattr(qw, "device_supported", lambda device=None: True)
+    monkeypatch.setattr(jaxspec.kernels, "linear_fits", lambda cfg: False)
+    assert Q.wgmma_takes(CFG, jnp.bfloat16, int8)
+    assert not Q.wgmma_takes(CFG, jnp.float32, int8)
+    assert not Q.wgmma_takes(CFG, jnp.bfloat16, q4_1)  # mins, groups of 32: Triton's kernel
+    assert not Q.wgmma_takes(CFG, jnp.bfloat16, embed)  # the embedding is never laid out
+
+
 def test_project_takes_a_k_major_weight_through_the_xla_path_exactly():
     rng = np.random.default_rng(5)
     w = random_weight(rng, 512, 192, 4, 128, jnp.bfloat16, dtype=jnp.float32)

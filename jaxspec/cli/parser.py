@@ -62,8 +62,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, flag: str = "--model") -> Non
         choices=("auto", "keep", "dequantize"),
         help="a quantized checkpoint (a GGUF's Q8_0/Q4_0/Q4_1 blocks, AWQ, convert --quantize): "
         "keep its weights quantized or dequantize them once at load; auto (default): the "
-        "backend's choice, jaxspec.io.convert.KEEP_QUANTIZED (dequantized on a CPU and a GPU, "
-        "where the kept weights measured slower)",
+        "backend's choice, jaxspec.io.convert.KEEP_QUANTIZED (on a GPU kept where Hopper's WGMMA "
+        "kernel takes them, as on a Llama-3-8B-shape model, else dequantized, as on a CPU: "
+        "there the kept weights measured slower)",
     )
     p.add_argument(
         "--no-compile-cache",

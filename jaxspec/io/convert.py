@@ -328,16 +328,16 @@ def _int_keys(tree):
 
 
 # Whether ``load`` keeps a quantized checkpoint's weights quantized, by backend (else it
-# dequantizes them once, to the load's dtype). Both dequantize, as measured:
+# dequantizes them once, to the load's dtype), as measured:
 # CPU: the real SmolLM2-135M Q4_1, autoregressive, B=1, 64 tokens, on the quiet 2-core CPU
 # (benchmarks/results/quantized.json, section "cpu", commit 05f397c): 54.4 tok/s kept quantized
 # against 61.8 dequantized to float32 (the CPU's default dtype), 57.4 against 56.0 in bfloat16.
-# (An earlier run on a loaded machine had favoured the packed weights, 13.1 against 8.3.)
-# GPU: one H200 (the same file, section "gpu", commit 1177fe7): a SmolLM2-135M-shape decode step
-# at 1K took 1.098 ms with its GGUF layout kept quantized against 0.635 ms in bf16, and a
-# Llama-3-8B-shape step at 4K 29.6 ms in int8 and 13.1 ms in int4 against 4.89 ms in bf16: the
-# dequantizing kernels stream the packed bytes at 0.4-0.7 TB/s, far from the bf16 GEMMs' rate.
-KEEP_QUANTIZED = {"cpu": False, "gpu": False}
+# GPU, "wgmma": kept where Hopper's WGMMA kernel takes the weights (quantized.wgmma_takes: one
+# device, an sm_90 GPU, bf16/f16 compute, layers outside the fused split-K path, symmetric
+# codes in whole K steps): a Llama-3-8B-shape step at 4K 4.39 ms int8 and 3.35 ms int4 against
+# 6.16 ms bf16 (one H100, section "gpu", 611245b); elsewhere dequantized: the real SmolLM2 Q4_1
+# (Triton's dequantizing kernels) decoded 985 tok/s kept against 1684 dequantized to bf16.
+KEEP_QUANTIZED = {"cpu": False, "gpu": "wgmma"}
 
 
 def load(
@@ -357,7 +357,8 @@ def load(
     (``jaxspec.io.fingerprint``). ``dtype`` casts the float parameters and is the compute dtype
     of quantized ones (default: the stored dtype). ``quantized``: keep a quantized
     checkpoint's weights quantized (True) or dequantize them once, here (False); None: this
-    backend's ``KEEP_QUANTIZED``.
+    backend's ``KEEP_QUANTIZED`` (on a GPU: kept where Hopper's WGMMA kernel takes them). Kept on
+    one Hopper GPU, the weights that kernel takes are laid out for it (``Q.for_wgmma``).
     """
     path = pathlib.Path(path).expanduser().absolute()
     cfg, stored, fmts = _read_checkpoint(path)
@@ -380,6 +381,8 @@ def load(
         raise _corrupt(params_dir, e) from None
     pure = Q.from_storable(_int_keys(restored), template)
     keep = KEEP_QUANTIZED.get(jax.default_backend(), True) if quantized is None else quantized
+    if keep == "wgmma":
+        keep = mesh is None and Q.wgmma_takes(cfg, jdtype, fmts)
     if fmts and not keep:
         pure = Q.dequantize_params(pure, jdtype)
         if mesh is not None:  # laid out as the float model is

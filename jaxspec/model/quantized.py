@@ -177,6 +177,22 @@ def kmajor_model(model: Model) -> Model:
     return _with_pure(model, _walk(nnx.to_pure_dict(model.params), one))
 
 
+def wgmma_takes(cfg: ModelConfig, dtype, fmts: dict[str, dict], device=None) -> bool:
+    """Whether ``for_wgmma`` would lay out any weight of a checkpoint of these quantized
+    ``formats`` loaded in ``dtype`` (the weights' shapes aside: one whose N is not a multiple of
+    64 stays as stored)."""
+    from jaxspec.kernels import linear_fits
+
+    half = jnp.dtype(dtype) in quant_wgmma.HALF
+    if not half or not quant_wgmma.device_supported(device) or linear_fits(cfg):
+        return False
+    return any(
+        f["mins"] is None and f["group"] % quant_wgmma.BK[f["bits"]] == 0
+        for name, f in fmts.items()
+        if name_path(name) != EMBEDDING
+    )
+
+
 def for_wgmma(model: Model, device=None) -> Model:
     """``kmajor_model(model)`` where Hopper's WGMMA kernel would run it: an sm_90 GPU
     (``device``, default JAX's first), bf16/f16 compute, and layers that do not take the fused
@@ -185,7 +201,7 @@ def for_wgmma(model: Model, device=None) -> Model:
     ``QuantizedWeight``); never saved (checkpoints keep the stored layout)."""
     from jaxspec.kernels import linear_fits
 
-    half = jnp.dtype(model.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    half = jnp.dtype(model.dtype) in quant_wgmma.HALF
     if not half or not quant_wgmma.device_supported(device) or linear_fits(model.config):
         return model
     return kmajor_model(model)
