@@ -55,17 +55,17 @@ from pallas_kernels.quant import QuantizedWeight
 TN = 64  # output channels a program: the WGMMA's M
 MAX_ROWS = 16
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
-# K rows a step, pipeline stages and output channels a warpgroup (one WGMMA's M is 64), by bits;
-# compute warpgroups a program. One H100, CUPTI kernel times, Llama-3-8B's gate/up, down, q at 8
+# K rows a step, pipeline stages and output channels a program (one warpgroup; one WGMMA's M is
+# 64), by bits. One H100, CUPTI kernel times, Llama-3-8B's gate/up, down, q at 8
 # rows (2026-12-06, benchmarks/notes/quantized.md): int8 256 x 2 stages x 64 channels 22.9 / 22.5
 # / 8.4 us (3 stages 23.3 / 23.1 / 8.7, 6: 28.7 / 27.8, fewer programs fit an SM; 128 channels
 # 24.2 / 23.9 / 9.4; 512-row steps 24.3 / 23.3 / 9.2); int4 128 x 3 x 128 channels 16.5 / 15.6 /
-# 5.3 (64 channels, 4 stages 18.9 / 16.8 / 5.9). One warpgroup issuing its own TMA loads beat one
-# or two compute warpgroups fed by a loading one (int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1).
+# 5.3 (64 channels, 4 stages 18.9 / 16.8 / 5.9). A program of one warpgroup issuing its own TMA
+# loads beat one or two compute warpgroups fed by a loading one (emit_pipeline_warp_specialized:
+# int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1), which is gone.
 BK = {8: 256, 4: 128}
 STAGES = {8: 2, 4: 3}
 TM = {8: 64, 4: 128}
-WGS = 0
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STATIC = dict(static=True)
 
@@ -187,37 +187,52 @@ def _swizzle(elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-@functools.partial(jax.jit, static_argnames=("bk", "splits", "stages", "wgs", "tm"))
+def group_problem(ws) -> str | None:
+    """Why these weights cannot share one launch (None: they can): one launch reads one
+    activation tile a K step, so they need the same K, bits and compute dtype, and for 4 bits
+    the same group (the activations' permutation)."""
+    w0 = ws[0]
+    for w in ws[1:]:
+        if (w.shape[0], w.bits, w.dtype) != (w0.shape[0], w0.bits, w0.dtype):
+            return "weights of different K, bits or compute dtype"
+        if w.bits == 4 and w.group != w0.group:
+            return "4-bit weights in different groups"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "splits", "stages", "tm"))
 def qmatmul_partials(
     x: Float[Array, "r k"],
-    w: KMajorWeight,
+    ws: tuple[KMajorWeight, ...],
     *,
     bk: int | None = None,
     splits: int | None = None,
     stages: int | None = None,
-    wgs: int | None = None,
     tm: int | None = None,
 ) -> Float[Array, "s n r"]:
-    """Float32 partial sums ``[S, N, R]`` of ``permute_rows(x) @ w`` transposed; ``x`` has
-    ``R`` (8 or 16) rows, already permuted (``qmatmul`` does both). ``wgs``: 0, one warpgroup
-    a program that issues its own TMA loads; n > 0, n compute warpgroups of 64 channels each
-    fed by a warpgroup that only issues the loads."""
+    """Float32 partial sums ``[S, N, R]`` of ``x @ concat(ws)`` transposed (``N``: the weights'
+    columns side by side), in one launch; ``x`` has ``R`` (8 or 16) rows, already permuted
+    (``qmatmul`` does both). Program ``(j, s)`` takes column tile ``j`` of whichever weight
+    holds it. ``tm``: output channels a program (64 or 128)."""
+    why = group_problem(ws)
+    if why is not None:
+        raise ValueError(f"quant_wgmma: {why}")
     r, k = x.shape
-    n = w.values.shape[0]
-    bk = bk or BK[w.bits]
-    wgs = WGS if wgs is None else wgs
-    tm = tm or (TM[w.bits] if n % TM[w.bits] == 0 else TN)
-    cta = tm * max(wgs, 1)
-    if n % cta:
-        raise ValueError(f"quant_wgmma: N={n} is not a multiple of {cta} ({wgs} warpgroups)")
-    n_split, per = plan(k, n, bk, splits, cta)
-    stages = max(1, min(stages or STAGES[w.bits], per))
-    dt = jnp.dtype(w.dtype)
-    per_group = w.group // bk  # K steps a scale row covers
-    wdt = jnp.int8 if w.bits == 8 else jnp.int4
+    w0 = ws[0]
+    widths = [w.values.shape[0] for w in ws]
+    n = sum(widths)
+    bk = bk or BK[w0.bits]
+    tm = tm or (TM[w0.bits] if all(c % TM[w0.bits] == 0 for c in widths) else TN)
+    if any(c % tm for c in widths):
+        raise ValueError(f"quant_wgmma: widths {widths} are not multiples of {tm}")
+    n_split, per = plan(k, n, bk, splits, tm)
+    stages = max(1, min(stages or STAGES[w0.bits], per))
+    dt = jnp.dtype(w0.dtype)
+    wdt = jnp.int8 if w0.bits == 8 else jnp.int4
     x_tiles, w_tiles = _swizzle(bk, dt), _swizzle(bk, wdt)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    upcast = plgpu.Layout.WGMMA_UPCAST_2X if w.bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
+    upcast = plgpu.Layout.WGMMA_UPCAST_2X if w0.bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
+    starts = [sum(widths[:i]) // tm for i in range(len(ws))]  # each weight's first tile
 
     def step(x_smem, w_smem, s_smem, acc):
         scale = plgpu.load(s_smem, layout=row_layout)
@@ -232,24 +247,25 @@ def qmatmul_partials(
         plgpu.wgmma_wait(0)
         return acc
 
-    def specs(j, s):
+    def tile(x_gmem, w_gmem, s_gmem, o_gmem, w, j, s, first):
+        """Program ``(j, s)``'s tile ``j - first`` of weight ``w``."""
+        jj = j - first
+        per_group = w.group // bk  # K steps a scale row covers
+
         def kstep(i):
             return s * per + i
 
-        return [
+        specs = [
             plgpu.BlockSpec((r, bk), lambda i: (0, kstep(i)), transforms=x_tiles),
-            plgpu.BlockSpec((cta, bk), lambda i: (j, kstep(i)), transforms=w_tiles),
-            plgpu.BlockSpec((1, cta), lambda i: (kstep(i) // per_group, j)),
+            plgpu.BlockSpec((tm, bk), lambda i: (jj, kstep(i)), transforms=w_tiles),
+            plgpu.BlockSpec((1, tm), lambda i: (kstep(i) // per_group, jj)),
         ]
-
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem):
-        j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
 
         def accumulate(acc):
             plgpu.emit_pipeline(
-                lambda _, xs, ws, ss: step(xs, ws, ss.at[0], acc),
+                lambda _, xs, wsm, ss: step(xs, wsm, ss.at[0], acc),
                 grid=(per,),
-                in_specs=specs(j, s),
+                in_specs=specs,
                 max_concurrent_steps=stages,
             )(x_gmem, w_gmem, s_gmem)
             return acc[...]
@@ -257,39 +273,26 @@ def qmatmul_partials(
         result = pl.run_scoped(accumulate, plgpu.ACC((tm, r), jnp.float32))
         o_gmem[pl.ds(s * n + j * tm, tm), :] = result
 
-    def kernel_ws(x_gmem, w_gmem, s_gmem, o_gmem):
+    def kernel(x_gmem, *refs):
+        *pairs, o_gmem = refs
         j, s = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        wg = jax.lax.axis_index("wg")
-        mine = pl.ds(wg * tm, tm)
+        for i, w in enumerate(ws):
+            args = (x_gmem, pairs[2 * i], pairs[2 * i + 1], o_gmem, w, j, s, starts[i])
+            if len(ws) == 1:
+                tile(*args)
+            else:
+                last = starts[i] + widths[i] // tm
+                pl.when((j >= starts[i]) & (j < last))(functools.partial(tile, *args))
 
-        def compute_context(pipeline):
-            def scoped(acc):
-                pipeline(acc)
-                o_gmem[pl.ds(s * n + j * cta + wg * tm, tm), :] = acc[...]
-
-            pl.run_scoped(scoped, plgpu.ACC((tm, r), jnp.float32))
-
-        plgpu.emit_pipeline_warp_specialized(
-            lambda _, xs, ws, ss, acc: step(xs, ws.at[mine], ss.at[0, mine], acc),
-            grid=(per,),
-            memory_registers=40,
-            in_specs=specs(j, s),
-            max_concurrent_steps=stages,
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            compute_context=compute_context,
-        )(x_gmem, w_gmem, s_gmem)
-
-    threads = dict(num_threads=wgs + 1, thread_name="wg") if wgs else {}
+    arrays = [a for w in ws for a in (w.values, w.scales)]
     out = plgpu.kernel(
-        kernel_ws if wgs else kernel,
+        kernel,
         out_type=jax.ShapeDtypeStruct((n_split * n, r), jnp.float32),
-        grid=(n // cta, n_split),
+        grid=(n // tm, n_split),
         grid_names=("n", "s"),
-        kernel_name=f"qmatmul_wgmma_int{w.bits}",
+        kernel_name=f"qmatmul_wgmma_int{w0.bits}",
         compiler_params=plgpu.CompilerParams(approx_math=False),
-        **threads,
-    )(x, w.values, w.scales)
+    )(x, *arrays)
     return out.reshape(n_split, n, r)
 
 
@@ -299,18 +302,19 @@ def rows_for(m: int) -> int:
 
 def qmatmul(
     x: Float[Array, "m k"],
-    w: KMajorWeight,
+    w: KMajorWeight | tuple[KMajorWeight, ...],
     *,
     bk=None,
     splits=None,
     stages=None,
-    wgs=None,
     tm=None,
 ) -> Float[Array, "m n"]:
-    """``x @ w`` in float32 (``x`` of at most 16 rows in ``w``'s compute dtype)."""
+    """``x @ w`` in float32 (``x`` of at most 16 rows in the weights' compute dtype); a tuple of
+    weights (``group_problem``: None) in one launch, their columns side by side."""
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"quant_wgmma.qmatmul: {m} rows not in [1, {MAX_ROWS}]")
-    xp = permute_rows(jnp.pad(x, ((0, rows_for(m) - m), (0, 0))), w.bits, w.group)
-    parts = qmatmul_partials(xp, w, bk=bk, splits=splits, stages=stages, wgs=wgs, tm=tm)
+    xp = permute_rows(jnp.pad(x, ((0, rows_for(m) - m), (0, 0))), ws[0].bits, ws[0].group)
+    parts = qmatmul_partials(xp, ws, bk=bk, splits=splits, stages=stages, tm=tm)
     return jnp.sum(parts, axis=0)[:, :m].T

@@ -112,22 +112,43 @@ def test_plan_cuts_k_into_equal_splits():
 
 
 @pytest.mark.parametrize(
-    "bits, group, rows, scale_dtype, wgs",
+    "bits, group, rows, scale_dtype, widths",
     [
-        (8, None, 8, jnp.bfloat16, 0),
-        (8, None, 16, jnp.float32, 0),
-        (4, 128, 8, jnp.bfloat16, 0),
-        (4, 128, 16, jnp.bfloat16, 2),
+        (8, None, 8, jnp.bfloat16, (512,)),
+        (8, None, 16, jnp.float32, (512,)),
+        (4, 128, 8, jnp.bfloat16, (512,)),
+        (8, None, 8, jnp.bfloat16, (256, 64, 64)),  # q, k, v in one launch (64-channel tiles)
+        (4, 128, 16, jnp.bfloat16, (384, 384)),  # gate and up
     ],
 )
-def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, wgs, monkeypatch):
+def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, widths):
     """Lowered for CUDA here: Mosaic GPU's Python side builds the kernel (TMA transforms, the
     upcast register layouts, the WGMMA's operand shapes) and raises on any mismatch."""
-    w = qw.prepare(random_weight(np.random.default_rng(1), 1024, 512, bits, group, scale_dtype))
+    rng = np.random.default_rng(1)
+    ws = tuple(qw.prepare(random_weight(rng, 1024, c, bits, group, scale_dtype)) for c in widths)
     x = jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16)
-    lowered = qw.qmatmul_partials.trace(x, w, wgs=wgs).lower(lowering_platforms=("cuda",))
+    lowered = qw.qmatmul_partials.trace(x, ws).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text and f"tensor<{rows}x1024xbf16>" in text
+
+
+def test_weights_that_cannot_share_a_launch_say_why():
+    rng = np.random.default_rng(2)
+    a = qw.prepare(random_weight(rng, 512, 128, 4, 128, jnp.bfloat16))
+    assert qw.group_problem((a, qw.prepare(random_weight(rng, 512, 128, 4, 256, None)))) == (
+        "4-bit weights in different groups"
+    )
+    assert "different K" in qw.group_problem(
+        (a, qw.prepare(random_weight(rng, 256, 64, 4, 128, None)))
+    )
+    assert "different K" in qw.group_problem(
+        (a, qw.prepare(random_weight(rng, 512, 64, 8, None, None)))
+    )
+    with pytest.raises(ValueError, match="different K"):
+        qw.qmatmul_partials(
+            jnp.ones((8, 512), jnp.bfloat16),
+            (a, qw.prepare(random_weight(rng, 512, 64, 8, None, None))),
+        )
 
 
 def _kmajor_pair(seed: int, dtype=jnp.float32):
@@ -202,6 +223,32 @@ def test_project_takes_a_k_major_weight_through_the_xla_path_exactly():
     np.testing.assert_array_equal(np.asarray(project(x, qw.prepare(w), kernels)), want)
 
 
+def test_project_many_splits_one_launch_back_into_each_weights_product(monkeypatch):
+    """q, k and v through one launch come back in their order and shapes (the kernel replaced by
+    the concatenated reference: the GPU tests check the kernel's own products)."""
+    from jaxspec.model.layers import project_many
+
+    launches = []
+
+    def reference(x, ws, **_):
+        launches.append(len(ws))
+        dense = jnp.concatenate([qw.dequantize(w, jnp.bfloat16) for w in ws], axis=1)
+        return jnp.matmul(x, dense, preferred_element_type=jnp.float32)
+
+    monkeypatch.setattr(qw, "qmatmul", reference)
+    rng = np.random.default_rng(9)
+    ws = [qw.prepare(random_weight(rng, 512, c, 8, None, jnp.bfloat16)) for c in (256, 64, 64)]
+    x = jnp.asarray(rng.standard_normal((1, 8, 512)), jnp.bfloat16)
+    xla = KernelConfig().resolve(CFG)  # this CPU's: quant_matmul "xla"
+    got = project_many(x, ws, dataclasses.replace(xla, quant_matmul="pallas"))
+    assert launches == [3]
+    want = project_many(x, ws, xla)  # one project each, no launch
+    assert launches == [3] and [g.shape for g in got] == [(1, 8, 256), (1, 8, 64), (1, 8, 64)]
+    for g, w in zip(got, want, strict=True):  # bf16 outputs, sums in another order
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=1e-2 * np.abs(w).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits, group", [(8, None), (4, 128)])
 @pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
@@ -219,3 +266,18 @@ def test_the_kernel_multiplies_as_dequantize_then_matmul_on_hopper(bits, group, 
         want = np.asarray(quant_linear.qmatmul_reference(x, w))
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, group", [(8, None), (4, 128)])
+@pytest.mark.parametrize("widths", [(1024, 256, 256), (768, 768)])
+def test_weights_in_one_launch_multiply_as_each_alone_on_hopper(bits, group, widths):
+    """q, k, v (or gate and up) in one launch: their columns side by side, each as its own."""
+    assert qw.device_supported(), "needs an sm_90 GPU"
+    rng = np.random.default_rng(len(widths))
+    ws = [random_weight(rng, 2048, c, bits, group, jnp.bfloat16) for c in widths]
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    got = np.asarray(qw.qmatmul(x, tuple(qw.prepare(w) for w in ws)))
+    want = np.concatenate([np.asarray(quant_linear.qmatmul_reference(x, w)) for w in ws], axis=1)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -12,7 +12,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
 from jaxspec.model import exact
 from jaxspec.model.kv_cache import Block
-from jaxspec.model.layers import Linear, mode_of, rows_like, tokens_of
+from jaxspec.model.layers import Linear, linears, mode_of, rows_like, tokens_of
 from pallas_kernels import dispatch, fused_linear, rope_attention
 from pallas_kernels.reference import apply_rope
 from pallas_kernels.reference import scatter_rows as write
@@ -44,7 +44,7 @@ class Attention(nnx.Module):
         """``x``: ``[b, t, d]``, or the padded rows of a ``stream_rows`` step (the output has
         ``x``'s layout)."""
         b, t = cos.shape[:2]
-        q, k, v = self.q_proj(x, kernels), self.k_proj(x, kernels), self.v_proj(x, kernels)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj), kernels)
         if self.fused_attention(q.dtype, k_cache, block, kernels) is not None:
             # one array, as the projection GEMM leaves it: the fused kernel gathers its heads
             qkv = tokens_of(jnp.concatenate([q, k, v], axis=-1), b, t, -1, self.cfg.head_dim)

@@ -127,6 +127,31 @@ def project(x, w, kernels: KernelConfig, out_dtype=None, *, w_out_in: bool = Fal
     return y.astype(out_dtype or x.dtype).reshape(*x.shape[:-1], w.shape[1])
 
 
+def project_many(x, ws, kernels: KernelConfig) -> list:
+    """``[x @ w for w in ws]`` (``project``'s); K-major weights the WGMMA kernel takes together
+    (q, k and v; gate and up) in one launch, their columns side by side, then split."""
+    rows = x.reshape(-1, x.shape[-1])
+    grouped = (
+        len(ws) > 1
+        and kernels.quant_matmul == "pallas"
+        and not kernels.invariant
+        and all(isinstance(w, quant_wgmma.KMajorWeight) for w in ws)
+        and all(quant_wgmma.unsupported_reason(rows, w) is None for w in ws)
+        and quant_wgmma.group_problem(ws) is None
+    )
+    if not grouped:
+        return [project(x, w, kernels) for w in ws]
+    y = quant_wgmma.qmatmul(rows, tuple(ws)).astype(x.dtype)
+    cuts = [sum(w.shape[1] for w in ws[:i]) for i in range(1, len(ws))]
+    return [part.reshape(*x.shape[:-1], -1) for part in jnp.split(y, cuts, axis=-1)]
+
+
+def linears(x, layers, kernels: KernelConfig) -> list:
+    """``[lin(x) for lin in layers]`` for ``Linear``s, through ``project_many``."""
+    ys = project_many(x, [weight_of(lin.kernel) for lin in layers], kernels)
+    return [y if lin.bias is None else y + lin.bias[...] for y, lin in zip(ys, layers, strict=True)]
+
+
 def embed_rows(table, tokens: Int[Array, "*s"]) -> Float[Array, "*s d"]:
     """The embeddings of ``tokens``: rows of a dense ``[V, D]`` table, or columns of a quantized
     one (stored as the LM head it also is, ``[D, V]``), dequantized."""
@@ -184,5 +209,5 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, kernels: KernelConfig):
-        h = jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels)
-        return self.down_proj(h, kernels)
+        gate, up = linears(x, (self.gate_proj, self.up_proj), kernels)
+        return self.down_proj(jax.nn.silu(gate) * up, kernels)
