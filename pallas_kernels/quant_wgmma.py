@@ -187,6 +187,23 @@ def _swizzle(elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
+def _step(x_smem, w_smem, s_smem, acc, *, bits: int, dt):
+    """One K step: the codes from shared memory into registers, dequantized there with their
+    channels' scales (``q * s``, one rounding to ``dt``), then ``acc += w^T x^T``."""
+    scale = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    upcast = plgpu.Layout.WGMMA_UPCAST_2X if bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
+    q = plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA)
+    if jnp.dtype(scale.dtype) == dt:  # q * s exact before its one rounding
+        wv = q.astype(dt) * jax.lax.broadcast_in_dim(scale, q.shape, (0,))
+    else:
+        qf = q.astype(jnp.float32)
+        sf = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), q.shape, (0,))
+        wv = (qf * sf).astype(dt)
+    plgpu.wgmma(acc, wv, x_smem.T)
+    plgpu.wgmma_wait(0)
+    return acc
+
+
 def group_problem(ws) -> str | None:
     """Why these weights cannot share one launch (None: they can): one launch reads one
     activation tile a K step, so they need the same K, bits and compute dtype, and for 4 bits
@@ -230,22 +247,8 @@ def qmatmul_partials(
     dt = jnp.dtype(w0.dtype)
     wdt = jnp.int8 if w0.bits == 8 else jnp.int4
     x_tiles, w_tiles = _swizzle(bk, dt), _swizzle(bk, wdt)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    upcast = plgpu.Layout.WGMMA_UPCAST_2X if w0.bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
     starts = [sum(widths[:i]) // tm for i in range(len(ws))]  # each weight's first tile
-
-    def step(x_smem, w_smem, s_smem, acc):
-        scale = plgpu.load(s_smem, layout=row_layout)
-        q = plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA)
-        if jnp.dtype(scale.dtype) == dt:  # q * s exact before its one rounding
-            wv = q.astype(dt) * jax.lax.broadcast_in_dim(scale, q.shape, (0,))
-        else:
-            qf = q.astype(jnp.float32)
-            sf = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), q.shape, (0,))
-            wv = (qf * sf).astype(dt)
-        plgpu.wgmma(acc, wv, x_smem.T)
-        plgpu.wgmma_wait(0)
-        return acc
+    step = functools.partial(_step, bits=w0.bits, dt=dt)
 
     def tile(x_gmem, w_gmem, s_gmem, o_gmem, w, j, s, first):
         """Program ``(j, s)``'s tile ``j - first`` of weight ``w``."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import kernels as K
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.model.transformer import Model, abstract_model, with_params
@@ -181,10 +182,8 @@ def wgmma_takes(cfg: ModelConfig, dtype, fmts: dict[str, dict], device=None) -> 
     """Whether ``for_wgmma`` would lay out any weight of a checkpoint of these quantized
     ``formats`` loaded in ``dtype`` (the weights' shapes aside: one whose N is not a multiple of
     64 stays as stored)."""
-    from jaxspec.kernels import linear_fits
-
     half = jnp.dtype(dtype) in quant_wgmma.HALF
-    if not half or not quant_wgmma.device_supported(device) or linear_fits(cfg):
+    if not half or not quant_wgmma.device_supported(device) or K.linear_fits(cfg):
         return False
     return any(
         f["mins"] is None and f["group"] % quant_wgmma.BK[f["bits"]] == 0
@@ -199,10 +198,8 @@ def for_wgmma(model: Model, device=None) -> Model:
     split-K kernels (those take ``QuantizedWeight``: small models, ``kernels.linear_fits``);
     elsewhere ``model`` itself. For one-device programs (the sharding rules know only
     ``QuantizedWeight``); never saved (checkpoints keep the stored layout)."""
-    from jaxspec.kernels import linear_fits
-
     half = jnp.dtype(model.dtype) in quant_wgmma.HALF
-    if not half or not quant_wgmma.device_supported(device) or linear_fits(model.config):
+    if not half or not quant_wgmma.device_supported(device) or K.linear_fits(model.config):
         return model
     return kmajor_model(model)
 
