@@ -8,11 +8,11 @@ tensor-core row is spent on padding rows beyond 8. The codes must then be K-majo
 which ``prepare`` lays out once (``jaxspec.model.quantized.for_wgmma`` at load, not per step):
 
 - 8 bits: ``values.T``, int8 ``[N, K]``;
-- 4 bits: the packed bytes transposed, ``[N, K/2]``, each nibble's sign bit flipped (the stored
-  code ``q + 8`` becomes ``q`` as a signed nibble) and read as int4 ``[N, K]``. A byte holds rows
-  ``j`` and ``j + G/2`` of its group (GGUF's order, ``quant.low_row``), so the int4 array's K
-  axis is the group's rows interleaved; ``permute_rows`` puts the activations' columns in the
-  same order (a product summed over K does not care which order, only that both agree).
+- 4 bits: the codes unpacked from GGUF's order (a byte holds rows ``j`` and ``j + G/2`` of its
+  group, ``quant.low_row``), transposed, the stored ``q + 8`` as the signed ``q``, and packed
+  again as int4 ``[N, K]`` in K's own order (rows ``2i`` and ``2i + 1`` a byte), so the
+  activations need no permutation. (Reading GGUF's bytes as they are, with the activations'
+  columns permuted to match, cost the int4 step one more kernel a layer: H100, c940af5.)
 
 Scales ``[K / group, N]`` stay as stored. One K step of ``bk`` rows lies in one group
 (``group % bk == 0``), so it dequantizes with one scale per output channel, a row of the
@@ -31,8 +31,8 @@ accumulator holds them); ``qmatmul`` sums them and transposes back, which XLA fu
 small kernel after each projection (a direct transposed store is not one Mosaic GPU lowers:
 "tiled strides must be a multiple of the vector length"). This kernel runs only
 compiled on a Hopper GPU: the Pallas interpreter does not run Mosaic GPU's WGMMA, so its tests on
-a CPU lower it (every layout and shape check of Mosaic's Python side) and check ``prepare`` and
-``permute_rows`` exactly; the products are checked on the GPU (benchmarks/bench_quantized.py's
+a CPU lower it (every layout and shape check of Mosaic's Python side) and check ``prepare``
+exactly; the products are checked on the GPU (benchmarks/bench_quantized.py's
 ``check`` section and tests marked ``gpu``).
 """
 
@@ -73,7 +73,7 @@ _STATIC = dict(static=True)
 @pytree_dataclass
 class KMajorWeight:
     """A quantized ``[K, N]`` weight laid out for this kernel (``prepare``): ``values`` int8
-    ``[N, K]`` or int4 ``[N, K]`` (rows of K in ``permute_rows`` order), ``scales [K/group,
+    ``[N, K]`` or int4 ``[N, K]`` (the signed codes ``q``, stored ``q + 8``), ``scales [K/group,
     N]``. Static: ``bits``, ``group``, ``dtype`` (the compute dtype)."""
 
     values: Shaped[Array, "n k"]
@@ -117,9 +117,8 @@ def prepare(w: QuantizedWeight) -> KMajorWeight:
     if w.bits == 8:
         values = jnp.asarray(w.values).T
     else:
-        flipped = jnp.asarray(w.values).T ^ jnp.uint8(0x88)
-        n, kp = flipped.shape
-        values = jax.lax.bitcast_convert_type(flipped, jnp.int4).reshape(n, 2 * kp)
+        signed = jnp.asarray(quant.codes(w)).astype(jnp.int8) - quant.OFFSET4
+        values = signed.T.astype(jnp.int4)
     return KMajorWeight(values, jnp.asarray(w.scales), w.bits, w.group, w.dtype)
 
 
@@ -130,18 +129,10 @@ def device_supported(device=None) -> bool:
     return device.platform == "gpu" and cap.split(".")[0] == "9"
 
 
-def unpermute_rows(a: Shaped[Array, "... k"], bits: int, group: int) -> Shaped[Array, "... k"]:
-    """``permute_rows``' inverse along the last axis."""
-    if bits == 8:
-        return a
-    *lead, k = a.shape
-    return a.reshape(*lead, k // group, group // 2, 2).swapaxes(-1, -2).reshape(*lead, k)
-
-
 def dequantize(w: KMajorWeight, dtype=None) -> Float[Array, "k n"]:
     """The float matrix ``[K, N]`` in ``dtype`` (default ``w.dtype``): ``quant.dequantize``'s
     value to the bit (``q * s`` in float32, one rounding)."""
-    q = unpermute_rows(w.values.astype(jnp.float32), w.bits, w.group).T
+    q = w.values.astype(jnp.float32).T
     s = jnp.repeat(w.scales.astype(jnp.float32), w.group, axis=0)
     return (q * s).astype(dtype or w.dtype)
 
@@ -159,15 +150,6 @@ def unsupported_reason(x, w) -> str | None:
     if jnp.dtype(w.dtype) not in HALF:
         return f"compute dtype {w.dtype}: the WGMMA takes bf16/f16 operands (float32: tf32)"
     return None
-
-
-def permute_rows(x: Float[Array, "m k"], bits: int, group: int) -> Float[Array, "m k"]:
-    """``x``'s columns in the order of ``prepare``'s K axis: unchanged for 8 bits; for 4 bits,
-    each group's rows ``j`` and ``j + group/2`` side by side."""
-    if bits == 8:
-        return x
-    m, k = x.shape
-    return x.reshape(m, k // group, 2, group // 2).swapaxes(2, 3).reshape(m, k)
 
 
 def plan(k: int, n: int, bk: int, splits: int | None, cta: int = 64) -> tuple[int, int]:
@@ -206,14 +188,11 @@ def _step(x_smem, w_smem, s_smem, acc, *, bits: int, dt):
 
 def group_problem(ws) -> str | None:
     """Why these weights cannot share one launch (None: they can): one launch reads one
-    activation tile a K step, so they need the same K, bits and compute dtype, and for 4 bits
-    the same group (the activations' permutation)."""
+    activation tile a K step of one size, so they need the same K, bits and compute dtype."""
     w0 = ws[0]
     for w in ws[1:]:
         if (w.shape[0], w.bits, w.dtype) != (w0.shape[0], w0.bits, w0.dtype):
             return "weights of different K, bits or compute dtype"
-        if w.bits == 4 and w.group != w0.group:
-            return "4-bit weights in different groups"
     return None
 
 
@@ -228,8 +207,8 @@ def qmatmul_partials(
     tm: int | None = None,
 ) -> Float[Array, "s n r"]:
     """Float32 partial sums ``[S, N, R]`` of ``x @ concat(ws)`` transposed (``N``: the weights'
-    columns side by side), in one launch; ``x`` has ``R`` (8 or 16) rows, already permuted
-    (``qmatmul`` does both). Program ``(j, s)`` takes column tile ``j`` of whichever weight
+    columns side by side), in one launch; ``x`` has ``R`` (8 or 16) rows (``qmatmul`` pads
+    them). Program ``(j, s)`` takes column tile ``j`` of whichever weight
     holds it. ``tm``: output channels a program (64 or 128)."""
     why = group_problem(ws)
     if why is not None:
@@ -318,6 +297,6 @@ def qmatmul(
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"quant_wgmma.qmatmul: {m} rows not in [1, {MAX_ROWS}]")
-    xp = permute_rows(jnp.pad(x, ((0, rows_for(m) - m), (0, 0))), ws[0].bits, ws[0].group)
+    xp = jnp.pad(x, ((0, rows_for(m) - m), (0, 0)))
     parts = qmatmul_partials(xp, ws, bk=bk, splits=splits, stages=stages, tm=tm)
     return jnp.sum(parts, axis=0)[:, :m].T
