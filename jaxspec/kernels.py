@@ -92,7 +92,7 @@ DEFAULTS = {
         loop_chunk=None,  # by engine: loop_steps()
         # quantized projections of steps of at most 16 rows dequantize in the kernel, never
         # materialising a float copy of the weight: Hopper's WGMMA kernel for weights laid out
-        # K-major (pallas_kernels/quant_wgmma.py; Llama-3-8B-shape step int8 4.16 / int4 3.19 ms
+        # K-major (pallas_kernels/quant_wgmma.py; Llama-3-8B-shape step int8 4.17 / int4 3.32 ms
         # against 6.17 bf16 and 5.47 / 4.63 through the Triton kernel, one H100,
         # benchmarks/results/quantized.json), the Triton kernel (quant_linear.py) for the rest
         quant_matmul="pallas",

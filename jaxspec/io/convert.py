@@ -334,8 +334,8 @@ def _int_keys(tree):
 # against 61.8 dequantized to float32 (the CPU's default dtype), 57.4 against 56.0 in bfloat16.
 # GPU, "wgmma": kept where Hopper's WGMMA kernel takes the weights (quantized.wgmma_takes: one
 # device, an sm_90 GPU, bf16/f16 compute, layers outside the fused split-K path, symmetric
-# codes in whole K steps): a Llama-3-8B-shape step at 4K 4.16 ms int8 and 3.19 ms int4 against
-# 6.17 ms bf16 (one H100, section "gpu", c940af5); elsewhere dequantized: the real SmolLM2 Q4_1
+# codes in whole K steps): a Llama-3-8B-shape step at 4K 4.17 ms int8 and 3.32 ms int4 against
+# 6.17 ms bf16 (one H100, section "gpu", 262aa69); elsewhere dequantized: the real SmolLM2 Q4_1
 # (Triton's dequantizing kernels) decoded 989 tok/s kept against 1691 dequantized to bf16.
 KEEP_QUANTIZED = {"cpu": False, "gpu": "wgmma"}
 
