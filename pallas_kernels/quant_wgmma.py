@@ -52,7 +52,7 @@ from pallas_kernels import quant
 from pallas_kernels.pytree import pytree_dataclass
 from pallas_kernels.quant import QuantizedWeight
 
-TN = 64  # output channels a program: the WGMMA's M
+TN = 64  # output channels a program where TM does not divide a width: one WGMMA's M
 MAX_ROWS = 16
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are added up to this
 # K rows a step, pipeline stages and output channels a program (one warpgroup; one WGMMA's M is
