@@ -287,6 +287,14 @@ def cmd_launch(args) -> int:
 
 
 GLOO = b"[Gloo] "  # gloo's C++ code prints its connections on the process's stdout
+# ...from several threads at once, so a line can lose its prefix to another: "[Gloo] Rank 0[Gloo]
+# Rank 1 is connected to 3 peer ranks. ..." then " is connected to 3 peer ranks. ..." (seen in CI)
+GLOO_CONNECTED = b"connected peer ranks"
+
+
+def is_gloo(line: bytes) -> bool:
+    """Whether a line of a child's stdout is gloo's connection report, whole or a fragment."""
+    return line.startswith(GLOO) or GLOO_CONNECTED in line
 
 
 def _relay(pipe) -> threading.Thread:
@@ -296,7 +304,7 @@ def _relay(pipe) -> threading.Thread:
     def copy():
         out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
         for line in iter(pipe.readline, b""):
-            if line.startswith(GLOO):
+            if is_gloo(line):
                 continue
             if out is None:
                 sys.stdout.write(line.decode(errors="replace"))
