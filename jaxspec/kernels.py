@@ -40,6 +40,7 @@ from pallas_kernels import fused_linear
 
 FUSED = ("auto", "off", "pallas", "interpret")
 ATTENTION = ("auto", "reference", "pallas", "interpret")
+PREFILL_ATTENTION = ("auto", "off", "cudnn", "xla")
 PADDING = ("auto", "stream", "gemm")
 QUANT = ("auto", "xla", "pallas", "interpret")
 TENSOR_PARALLEL = ("auto", "gspmd", "shard_map")
@@ -49,6 +50,7 @@ ALL_REDUCE = ("auto", "psum", "oneshot", "oneshot_reference", "interpret")
 DEFAULTS = {
     "cpu": dict(
         attention="reference",  # the kernels are GPU kernels; the interpreter is for tests
+        prefill_attention="off",  # cuDNN is a GPU library ("xla": the same call, for tests)
         fused_attention="off",
         fused_linear="off",
         fused_commit="off",
@@ -69,6 +71,11 @@ DEFAULTS = {
         # split-K decode attention (pallas_kernels/decode_attention.py) and the flash kernel for
         # prefill chunks: the 4K prefill of the SmolLM2 shape 43.4 -> 14.0 ms (prefill_probe)
         attention="pallas",
+        # a prompt's first chunk (an empty cache) through cuDNN's flash attention: 4K prefill of
+        # the SmolLM2 shape 13.28 ms (the flash kernel, 2048-token chunks) -> 6.74 (cuDNN, one
+        # 4096-token chunk), 1K 3.71 -> 3.08; its attention 7.42 -> 2.03 ms (one H100, CUPTI,
+        # benchmarks/results/prefill_probe.json)
+        prefill_attention="cudnn",
         # RoPE + cache write + attention in one kernel: SmolLM2-shape step 1.023 -> 0.941 ms,
         # 121 of its 491 kernels gone (benchmarks/results/small_step_probe.json)
         fused_attention="pallas",
@@ -114,7 +121,7 @@ COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 # row: at 4096 prompt tokens of the SmolLM2 shape 256-token chunks took 43.4 ms, 1024 15.9, 2048
 # 14.0, 4096 15.3 (prefill_probe).
 GPU_PREFILL_TOKENS = 16384
-GPU_PREFILL_CHUNK = 2048
+GPU_PREFILL_CHUNK = 4096
 MIN_PREFILL_CHUNK = 256
 
 
@@ -123,6 +130,10 @@ class KernelConfig:
     """Which kernels run. ``"auto"`` / ``None`` fields are filled by ``resolve``.
 
     attention:       decode and prefill attention: "reference" (jnp), "pallas", "interpret".
+    prefill_attention: a causal block wider than the decode kernel takes (a prefill chunk) into
+                     an empty cache: "cudnn" (``jax.nn.dot_product_attention`` on cuDNN's flash
+                     attention, for bf16/f16), "xla" (the same call through XLA: any backend,
+                     tests), "off" (``attention``'s path). Other blocks take ``attention``'s.
     attention_tile:  (block_k, num_stages, min_split) of the split-K decode kernel; None: its own
                      heuristics (``pallas_kernels.decode_attention.plan``).
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
@@ -152,6 +163,7 @@ class KernelConfig:
     """
 
     attention: str = "auto"
+    prefill_attention: str = "auto"
     attention_tile: tuple[int | None, int | None, int | None] | None = None
     fused_attention: str = "auto"
     fused_linear: str = "auto"
@@ -172,6 +184,7 @@ class KernelConfig:
     def __post_init__(self):
         for name, choices in (
             ("attention", ATTENTION),
+            ("prefill_attention", PREFILL_ATTENTION),
             ("fused_attention", FUSED),
             ("fused_linear", FUSED),
             ("fused_commit", FUSED),
@@ -266,6 +279,14 @@ class KernelConfig:
                 f"KernelConfig.attention='pallas' needs a GPU backend (this is {backend!r}); use "
                 "'interpret', 'reference' or 'auto' here."
             )
+        if fill["prefill_attention"] == "cudnn" and backend != "gpu":
+            raise OptionError(
+                f"KernelConfig.prefill_attention='cudnn' needs a GPU backend (this is "
+                f"{backend!r}); use 'xla', 'off' or 'auto' here."
+            )
+        if sharded or (fill["prefill_attention"] == "cudnn" and not _cudnn_flash()):
+            # cuDNN's call is kept to one device's program (no sharded run was measured)
+            fill["prefill_attention"] = "off"
         if fill["all_reduce"] == "oneshot" and backend != "gpu":
             raise OptionError(
                 f"KernelConfig.all_reduce='oneshot' is a GPU kernel (this is {backend!r}); use "
@@ -273,7 +294,7 @@ class KernelConfig:
             )
         if fill["invariant"]:  # exact reductions in jnp: no kernel has them (model/exact.py)
             fill.update(fused_attention="off", fused_linear="off", fused_commit="off")
-            fill.update(attention="reference", gemm_rows=0)
+            fill.update(attention="reference", prefill_attention="off", gemm_rows=0)
             # the explicit step's reductions sum rounded float partials; the partitioner splits
             # the exact integer sums themselves, which stay exact
             fill.update(tensor_parallel="gspmd")
@@ -353,6 +374,7 @@ class KernelConfig:
 # variable -> (field, choices or "int")
 ENV = {
     "JAXSPEC_ATTENTION": ("attention", (*ATTENTION, "pallas_interpret")),
+    "JAXSPEC_PREFILL_ATTENTION": ("prefill_attention", PREFILL_ATTENTION),
     "JAXSPEC_FUSED_ATTENTION": ("fused_attention", FUSED),
     "JAXSPEC_FUSED_LINEAR": ("fused_linear", FUSED),
     "JAXSPEC_LINEAR_ROWS": ("linear_rows", "int"),
@@ -408,6 +430,16 @@ def _checked(var: str, **field) -> None:
         KernelConfig(**field)
     except OptionError as e:
         raise OptionError(f"{var}: {e} Unset it for the default.") from None
+
+
+def _cudnn_flash() -> bool:
+    """Whether this machine's GPUs have cuDNN's flash attention (Ampere, sm_80, or newer). True
+    where JAX sees no GPU: a config resolved for a GPU elsewhere (tests) keeps the table's."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return True
+    return all(float(getattr(d, "compute_capability", "8.0")) >= 8.0 for d in gpus)
 
 
 def _int(x) -> bool:

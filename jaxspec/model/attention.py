@@ -13,7 +13,7 @@ from jaxspec.kernels import KernelConfig
 from jaxspec.model import exact
 from jaxspec.model.kv_cache import Block
 from jaxspec.model.layers import Linear, linears, mode_of, rows_like, tokens_of
-from pallas_kernels import dispatch, fused_linear, rope_attention
+from pallas_kernels import decode_attention, dispatch, fused_linear, rope_attention
 from pallas_kernels.reference import apply_rope
 from pallas_kernels.reference import scatter_rows as write
 
@@ -81,13 +81,53 @@ class Attention(nnx.Module):
                 rope_attention.settled_qkv(qkv, k_cache.dtype), cfg.num_heads, cfg.num_kv_heads
             )
         rope = exact.rope if kernels.invariant else apply_rope
-        k_cache = write(k_cache, rope(k, cos, sin), block.slots)
+        k = rope(k, cos, sin)
+        k_cache = write(k_cache, k, block.slots)
         v_cache = write(v_cache, v, block.slots)
         q = rope(q, cos, sin)
         if kernels.invariant:
             return exact.attend(q, k_cache, v_cache, length, block.block_mask), k_cache, v_cache
-        out = dispatch.attention(
-            q, k_cache, v_cache, length, block.block_mask, impl=kernels.attention,
-            tile=kernels.attention_tile,
-        )  # fmt: skip
+
+        def over_cache():
+            return dispatch.attention(
+                q, k_cache, v_cache, length, block.block_mask, impl=kernels.attention,
+                tile=kernels.attention_tile,
+            )  # fmt: skip
+
+        impl = fresh_prefill(q, block, kernels)
+        if impl is None:
+            return over_cache(), k_cache, v_cache
+        # the block's own K/V are all a query sees when the cache was empty (the prompt's first
+        # chunk); any other chunk takes the cache path
+        out = jax.lax.cond(
+            jnp.all(length == 0), lambda: causal_self_attention(q, k, v, block, impl), over_cache
+        )
         return out, k_cache, v_cache
+
+
+def fresh_prefill(q, block: Block, kernels: KernelConfig) -> str | None:
+    """``jax.nn.dot_product_attention``'s implementation ("cudnn" / "xla") for a causal block
+    too wide for the decode kernel, where ``kernels.prefill_attention`` asks for one and takes
+    these shapes; None: the cache path only."""
+    impl = kernels.prefill_attention
+    if impl not in ("cudnn", "xla") or not block.causal or q.shape[1] <= decode_attention.MAX_T:
+        return None
+    hd = q.shape[-1]
+    if hd % 8 or hd > 128:  # cuDNN's flash attention: head sizes up to 128, in steps of 8
+        return None
+    if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        return None  # cuDNN's flash attention is 16-bit; float32 keeps the cache path
+    return impl
+
+
+def causal_self_attention(q, k, v, block: Block, impl: str):
+    """Attention of a causal block over its own K/V (``q [b, t, H, hd]``, ``k, v [b, t, KH,
+    hd]``): the contract of ``pallas_kernels.reference.attend`` for ``causal_block``'s block on an
+    empty cache. A padding query sees nothing and returns zeros."""
+    real = jnp.diagonal(block.block_mask, axis1=1, axis2=2)  # [b, t]: token i is real
+    seen = jnp.maximum(jnp.sum(real, axis=-1, dtype=jnp.int32), 1)  # cuDNN wants >= 1 key
+    out = jax.nn.dot_product_attention(
+        q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True, key_value_seq_lengths=seen,
+        implementation=impl,
+    )  # fmt: skip
+    return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)

@@ -53,12 +53,17 @@ class Block:
     appended:   (static) token i goes to slot ``length[b] + i`` or nowhere, and block column j is
                 token j: a decode step, a chain verify, a tree verify. The fused RoPE + cache
                 write + attention kernel takes only these (``pallas_kernels/rope_attention.py``).
+    causal:     (static) made by ``causal_block``: the real tokens are the first ``valid[b]``,
+                each sees the block's real tokens up to itself (a prefill chunk, a chain). A
+                wide one into an empty cache may attend through cuDNN
+                (``KernelConfig.prefill_attention``).
     """
 
     positions: Int[Array, "b t"]
     slots: Int[Array, "b t"]
     block_mask: Bool[Array, "b t n"]
     appended: bool = dataclasses.field(default=False, metadata={"static": True})
+    causal: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -81,7 +86,10 @@ def causal_block(
     causal = i[None, :, None] >= i[None, None, :]
     mask = causal & real[:, None, :] & real[:, :, None]
     slots = jnp.where(real, length[:, None] + i[None, :], NO_SLOT)
-    return Block(positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True)
+    return Block(
+        positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True,
+        causal=True,
+    )  # fmt: skip
 
 
 def move(

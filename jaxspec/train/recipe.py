@@ -185,7 +185,11 @@ def init_draft(target: Model, recipe: Recipe) -> dict:
 # The draft trains through the pure-jnp attention and the plain projections: they have a
 # gradient (the Pallas kernels do not).
 TRAIN_KERNELS = KernelConfig(
-    attention="reference", fused_attention="off", fused_linear="off", fused_commit="off"
+    attention="reference",
+    prefill_attention="off",
+    fused_attention="off",
+    fused_linear="off",
+    fused_commit="off",
 )
 
 
