@@ -38,7 +38,7 @@ def block_inputs(seed, *, b, t, kh, g, valid, dtype, hd=64):
         for shape in ((b, t, kh * g, hd), (b, t, kh, hd), (b, t, kh, hd))
     )
     length = jnp.zeros((b,), jnp.int32)
-    block = causal_block(length, length, jnp.asarray(valid, jnp.int32), t)
+    block = causal_block(length, length, jnp.asarray(valid, jnp.int32), t, fresh=True)
     pad = jnp.zeros((b, 16, kh, hd), dtype)
     return q, k, v, block, jnp.concatenate([k, pad], 1), jnp.concatenate([v, pad], 1)
 
@@ -57,8 +57,8 @@ def test_causal_self_attention_matches_the_reference(g, valid):
 
 
 def test_which_blocks_take_it():
-    """Only causal blocks wider than the decode kernel's 64 queries, head sizes cuDNN takes, and
-    16-bit inputs for cuDNN."""
+    """Only a prompt's first chunk (a fresh block) wider than the decode kernel's 64 queries, head
+    sizes cuDNN takes, and 16-bit inputs for cuDNN."""
     xla, cudnn = KernelConfig(prefill_attention="xla"), KernelConfig(prefill_attention="cudnn")
     q, _, _, block, _, _ = block_inputs(0, b=1, t=80, kh=1, g=1, valid=[80], dtype=jnp.bfloat16)
     assert A.fresh_prefill(q, block, xla) == "xla"
@@ -66,10 +66,10 @@ def test_which_blocks_take_it():
     assert A.fresh_prefill(q.astype(jnp.float32), block, cudnn) is None
     assert A.fresh_prefill(q.astype(jnp.float32), block, xla) == "xla"
     assert A.fresh_prefill(q, block, KernelConfig(prefill_attention="off")) is None
-    tree = jaxspec.model.kv_cache.Block(block.positions, block.slots, block.block_mask, True)
-    assert A.fresh_prefill(q, tree, xla) is None  # not causal_block's: a tree's mask
-    short = causal_block(jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32),
-                         jnp.asarray([64], jnp.int32), 64)  # fmt: skip
+    zero = jnp.zeros((1,), jnp.int32)
+    later = causal_block(zero + 80, zero + 80, zero + 80, 80)  # a later chunk: not fresh
+    assert A.fresh_prefill(q, later, xla) is None
+    short = causal_block(zero, zero, zero + 64, 64, fresh=True)
     assert A.fresh_prefill(q[:, :64], short, xla) is None  # the decode kernel's width
     assert A.fresh_prefill(jnp.zeros((1, 80, 1, 256), jnp.bfloat16), block, cudnn) is None
 
@@ -98,9 +98,9 @@ def prefill_logits(target, kernels, ids, lens, cache):
 
 def test_prefill_and_generate_equal_the_cache_path(monkeypatch):
     """A chunked prefill (80-token chunks, ragged rows): the first chunk through the call, the
-    second over the cache; a prefill into a cache that already holds a prefix takes the cache
-    path for every chunk. Logits equal the reference path's, greedy tokens (autoregressive and
-    a chain with a draft) equal autoregressive decoding's."""
+    second over the cache. Logits equal the reference path's, also for a prefill into a cache
+    that held a prompt (written again from slot 0); greedy tokens (autoregressive and a chain
+    with a draft) equal autoregressive decoding's."""
     target = tiny.model(5, **WIDE)
     draft = tiny.perturbed(target, 0.05, 1)
     ps = tiny.prompts(7, lengths=(150, 97, 33), vocab=64)
@@ -116,7 +116,7 @@ def test_prefill_and_generate_equal_the_cache_path(monkeypatch):
         programs._COMPILED.clear()
         jax.clear_caches()
         first, cache = prefill_logits(target, kernels, ids, lens, init_cache(target.config, 3, 352))
-        # the same rows again after that prompt: every chunk sees a prefix
+        # into the cache that prompt filled: overwritten from slot 0, the same logits
         again, _ = prefill_logits(target, kernels, ids, lens, cache)
         ar = jaxspec.generate(target, ps, max_new_tokens=6, kernels=kernels).tokens
         chain = jaxspec.generate(target, ps, max_new_tokens=6, kernels=kernels, draft=draft,
@@ -128,7 +128,8 @@ def test_prefill_and_generate_equal_the_cache_path(monkeypatch):
     got = run("xla")
     assert calls and all(c["implementation"] == "xla" and c["is_causal"] for c in calls)
     np.testing.assert_allclose(got[0], ref[0], atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(got[1], ref[1], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], ref[0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(ref[1], ref[0], atol=2e-5, rtol=1e-5)
     assert got[2] == ref[2] and got[3] == ref[2]
     programs._COMPILED.clear()
     jax.clear_caches()

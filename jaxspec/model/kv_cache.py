@@ -53,17 +53,16 @@ class Block:
     appended:   (static) token i goes to slot ``length[b] + i`` or nowhere, and block column j is
                 token j: a decode step, a chain verify, a tree verify. The fused RoPE + cache
                 write + attention kernel takes only these (``pallas_kernels/rope_attention.py``).
-    causal:     (static) made by ``causal_block``: the real tokens are the first ``valid[b]``,
-                each sees the block's real tokens up to itself (a prefill chunk, a chain). A
-                wide one into an empty cache may attend through cuDNN
-                (``KernelConfig.prefill_attention``).
+    fresh:      (static) a prompt's first chunk into an empty cache (``prefill.chunked``): a
+                causal block whose queries see nothing but the block, so a wide one may attend
+                over its own K/V through cuDNN (``KernelConfig.prefill_attention``).
     """
 
     positions: Int[Array, "b t"]
     slots: Int[Array, "b t"]
     block_mask: Bool[Array, "b t n"]
     appended: bool = dataclasses.field(default=False, metadata={"static": True})
-    causal: bool = dataclasses.field(default=False, metadata={"static": True})
+    fresh: bool = dataclasses.field(default=False, metadata={"static": True})
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -76,11 +75,17 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -
 
 
 def causal_block(
-    length: Int[Array, " b"], start: Int[Array, " b"], valid: Int[Array, " b"], t: int
+    length: Int[Array, " b"],
+    start: Int[Array, " b"],
+    valid: Int[Array, " b"],
+    t: int,
+    *,
+    fresh: bool = False,
 ) -> Block:
     """A block of ``t`` consecutive tokens per row appended after the prefix (prefill chunk,
     decode step, chain verify). Token i of row b sits at slot ``length[b] + i`` with position
-    ``start[b] + i``; tokens ``i >= valid[b]`` are padding: they see nothing and are not written."""
+    ``start[b] + i``; tokens ``i >= valid[b]`` are padding: they see nothing and are not written.
+    ``fresh``: the caller's word that ``length`` is all zeros (``Block.fresh``)."""
     i = jnp.arange(t, dtype=jnp.int32)
     real = i[None, :] < valid[:, None]
     causal = i[None, :, None] >= i[None, None, :]
@@ -88,7 +93,7 @@ def causal_block(
     slots = jnp.where(real, length[:, None] + i[None, :], NO_SLOT)
     return Block(
         positions=start[:, None] + i[None, :], slots=slots, block_mask=mask, appended=True,
-        causal=True,
+        fresh=fresh,
     )  # fmt: skip
 
 

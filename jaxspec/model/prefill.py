@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,18 +78,24 @@ def prefill(
 
 
 def chunked(forward, cache: KVCache, lens: Int[Array, " b"], width: int, chunk: int, acc):
-    """A prompt of ``width`` slots in chunks of ``chunk`` (one ``lax.fori_loop`` body):
-    ``forward(cache, acc, start, valid, block) -> (cache, acc)`` runs the tokens at
-    ``[start, start + chunk)`` (``valid[b]`` of them real) as ``block``; each chunk's valid
-    tokens then join the prefix. Returns the final ``(cache, acc)``."""
+    """A prompt of ``width`` slots in chunks of ``chunk``, written from slot 0 (what ``cache``
+    held is overwritten): ``forward(cache, acc, start, valid, block) -> (cache, acc)`` runs the
+    tokens at ``[start, start + chunk)`` (``valid[b]`` of them real) as ``block``; each chunk's
+    valid tokens then join the prefix. The first chunk is traced on its own, as a fresh block
+    (``Block.fresh``: it may attend without the cache), the others in one ``lax.fori_loop``
+    body. Returns the final ``(cache, acc)``."""
 
-    def body(c, carry):
+    def body(c, carry, fresh=False):
         cache, acc = carry
         start = c * chunk
         valid = jnp.clip(lens - start, 0, chunk)
-        block = causal_block(cache.length, cache.length, valid, chunk)
+        block = causal_block(cache.length, cache.length, valid, chunk, fresh=fresh)
         cache, acc = forward(cache, acc, start, valid, block)
         cache.length = cache.length + valid
         return cache, acc
 
-    return jax.lax.fori_loop(0, width // chunk, body, (cache, acc))
+    cache = dataclasses.replace(cache, length=jnp.zeros_like(cache.length))
+    carry = body(0, (cache, acc), fresh=True)
+    if width // chunk == 1:
+        return carry
+    return jax.lax.fori_loop(1, width // chunk, body, carry)
