@@ -119,9 +119,14 @@ COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 
 # A GPU prefill step takes up to this many tokens (rows x chunk), at most GPU_PREFILL_CHUNK a
 # row: at 4096 prompt tokens of the SmolLM2 shape 256-token chunks took 43.4 ms, 1024 15.9, 2048
-# 14.0, 4096 15.3 (prefill_probe).
+# 14.0, 4096 15.3 (an H200, the flash kernel for every chunk; git show b79a383:
+# benchmarks/results/prefill_probe.json). With the first chunk through cuDNN
+# (prefill_attention="cudnn") a row takes up to CUDNN_PREFILL_CHUNK: one chunk of 8192 took an
+# 8K prompt 14.46 ms against 27.50 in 4096s and 30.33 in 2048s (the later chunks go through the
+# flash kernel), a 4K prompt 7.20 in one chunk against 11.74 (one H100, prefill_probe.json).
 GPU_PREFILL_TOKENS = 16384
-GPU_PREFILL_CHUNK = 4096
+GPU_PREFILL_CHUNK = 2048
+CUDNN_PREFILL_CHUNK = 8192
 MIN_PREFILL_CHUNK = 256
 
 
@@ -310,7 +315,8 @@ class KernelConfig:
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         per_row = 1 << (max(1, GPU_PREFILL_TOKENS // max(batch, 1)).bit_length() - 1)
-        return max(MIN_PREFILL_CHUNK, min(GPU_PREFILL_CHUNK, per_row))
+        most = CUDNN_PREFILL_CHUNK if self.prefill_attention == "cudnn" else GPU_PREFILL_CHUNK
+        return max(MIN_PREFILL_CHUNK, min(most, per_row))
 
     def loop_steps(self, default: int) -> int:
         """Loop iterations per check of the stop condition: the config's, else ``default`` (the

@@ -146,10 +146,13 @@ def test_prefill_chunk_setting():
 
 
 def test_gpu_chunk_keeps_tokens_per_step_bounded():
-    """On a GPU: up to 4096 tokens a row, at most GPU_PREFILL_TOKENS a step, 256 at least."""
+    """On a GPU: up to 8192 tokens a row with cuDNN for the first chunk (2048 without), at most
+    GPU_PREFILL_TOKENS a step, 256 at least."""
     gpu = KernelConfig().resolve(tiny.CFG, backend="gpu")
-    got = [gpu.prefill_tokens(b) for b in (1, 4, 8, 16, 32, 64, 128)]
-    assert got == [4096, 4096, 2048, 1024, 512, 256, 256]
+    got = [gpu.prefill_tokens(b) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert got == [8192, 8192, 4096, 2048, 1024, 512, 256, 256]
+    flash = KernelConfig(prefill_attention="off").resolve(tiny.CFG, backend="gpu")
+    assert [flash.prefill_tokens(b) for b in (1, 8, 16)] == [2048, 2048, 1024]
     assert max(b * gpu.prefill_tokens(b) for b in (16, 32, 64)) == K.GPU_PREFILL_TOKENS
     assert KernelConfig(prefill_chunk=512).resolve(tiny.CFG, backend="gpu").prefill_tokens(1) == 512
 
