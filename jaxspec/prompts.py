@@ -9,7 +9,7 @@ from jaxspec.errors import PromptError
 
 
 def check_token_ids(tokens, cfg: ModelConfig) -> None:
-    arr = np.asarray(tokens)
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= cfg.vocab_size):
         bad = int(arr.min() if arr.min() < 0 else arr.max())
         raise PromptError(
@@ -47,9 +47,11 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) 
                     "this checkpoint has no tokenizer, so prompts must be lists of token ids."
                 )
             ids = encode_text(tokenizer, p, chat=chat)
+            arr = np.asarray(ids, np.int64)
         else:
-            ids = _ids(p, i)
-        check_token_ids(ids, cfg)
+            arr = _id_array(p, i)
+            ids = arr.tolist()  # Python ints (a 4K prompt: 0.05 ms; a loop of int(): 0.8)
+        check_token_ids(arr, cfg)
         out.append(ids)
     return out
 
@@ -72,18 +74,18 @@ def _array_prompts(a) -> list:
     return [arr.tolist()] if arr.ndim == 1 else arr.tolist()
 
 
-def _ids(p, i: int) -> list[int]:
-    """One prompt's ids from a list, tuple or array of integers (floats and bools refused)."""
+def _id_array(p, i: int) -> np.ndarray:
+    """One prompt's ids, flat, from a list, tuple or array of integers (floats and bools
+    refused)."""
     arr = np.asarray(p)
     if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise PromptError(
             f"prompt {i} must be text or integer token ids, got {type(p).__name__} of "
             f"{arr.dtype}: float ids are not truncated silently; pass the tokenizer's ids."
         )
-    ids = [int(x) for x in arr.reshape(-1)]
-    if not ids:
+    if not arr.size:
         raise PromptError(f"prompt {i} is empty: give it at least one token id.")
-    return ids
+    return arr.reshape(-1)
 
 
 def encode_text(tokenizer, text: str, *, chat: bool) -> list[int]:
