@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxspec
 from jaxspec.config import ModelConfig
 from jaxspec.kernels import KernelConfig
 from jaxspec.model import quantized as Q
+from jaxspec.model import sharding
 from jaxspec.model.layers import project
 from jaxspec.model.transformer import new_model
 from pallas_kernels import quant, quant_linear
@@ -175,6 +177,27 @@ def test_a_k_major_model_decodes_as_the_stored_layout_in_every_engine():
     dense = Q.dequantize_model(kt)
     assert not Q.is_quantized_model(dense)
     assert jaxspec.generate(dense, ps, max_new_tokens=10).tokens == ref
+
+
+@pytest.mark.parametrize("tp", ["gspmd", "shard_map"])
+def test_a_k_major_model_on_a_mesh_splits_its_codes_and_decodes_as_on_one_device(tp):
+    """A laid-out int4 model (groups of 128) placed on 2 devices: codes and scales split as the
+    stored layout's rule with the codes' axes swapped (q_proj by output channel, o_proj by K at
+    group boundaries), and its greedy tokens are the stored layout's on one device (float32)."""
+    _, target = _kmajor_pair(5)
+    kt = Q.kmajor_model(target)
+    ps = tiny.prompts(5, lengths=(12, 5), vocab=CFG.vocab_size)
+    ref = jaxspec.generate(target, ps, max_new_tokens=8).tokens
+    placed = sharding.place(kt, jax.devices()[:2])[0]
+    attn = nnx.to_pure_dict(placed.params)["layers"][0]["self_attn"]
+    q, o = attn["q_proj"]["kernel"], attn["o_proj"]["kernel"]
+    assert isinstance(q, qw.KMajorWeight) and isinstance(o, qw.KMajorWeight)
+    assert q.values.sharding.spec[0] == "tp" and q.scales.sharding.spec[1] == "tp"
+    assert o.values.sharding.spec[1] == "tp" and o.scales.sharding.spec[0] == "tp"
+    assert len(q.values.addressable_shards) == 2
+    assert q.values.addressable_shards[0].data.shape == (q.values.shape[0] // 2, q.values.shape[1])
+    kernels = KernelConfig(tensor_parallel=tp)
+    assert jaxspec.generate(placed, ps, max_new_tokens=8, kernels=kernels).tokens == ref
 
 
 def test_for_wgmma_lays_out_only_where_the_kernel_runs(monkeypatch):

@@ -151,16 +151,17 @@ def dequantize_model(model: Model, dtype=None) -> Model:
     return _with_pure(model, dequantize_params(nnx.to_pure_dict(model.params), dtype))
 
 
-def _any_quantized(x) -> bool:
+def any_quantized(x) -> bool:
+    """A weight kept quantized: stored (``QuantizedWeight``) or laid out K-major."""
     return quant.is_quantized(x) or isinstance(x, quant_wgmma.KMajorWeight)
 
 
 def is_quantized_model(model: Model) -> bool:
-    return any(_any_quantized(x) for x in _leaves(nnx.to_pure_dict(model.params)))
+    return any(any_quantized(x) for x in _leaves(nnx.to_pure_dict(model.params)))
 
 
 def _leaves(pure):
-    return jax.tree.leaves(pure, is_leaf=_any_quantized)
+    return jax.tree.leaves(pure, is_leaf=any_quantized)
 
 
 def kmajor_model(model: Model) -> Model:
@@ -196,8 +197,9 @@ def for_wgmma(model: Model, device=None) -> Model:
     """``kmajor_model(model)`` where Hopper's WGMMA kernel would run it: an sm_90 GPU
     (``device``, default JAX's first), bf16/f16 compute, and layers that do not take the fused
     split-K kernels (those take ``QuantizedWeight``: small models, ``kernels.linear_fits``);
-    elsewhere ``model`` itself. For one-device programs (the sharding rules know only
-    ``QuantizedWeight``); never saved (checkpoints keep the stored layout)."""
+    elsewhere ``model`` itself. ``load`` lays out for one device only; a laid-out model placed
+    on a mesh keeps the layout, split by ``sharding.kmajor_spec``, and runs the XLA path there.
+    Never saved (checkpoints keep the stored layout)."""
     half = jnp.dtype(model.dtype) in quant_wgmma.HALF
     if not half or not quant_wgmma.device_supported(device) or K.linear_fits(model.config):
         return model

@@ -25,8 +25,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxspec.config import ModelConfig
 from jaxspec.errors import DeviceError
 from jaxspec.model import tensor_parallel
+from jaxspec.model.quantized import any_quantized
 from jaxspec.model.transformer import Model, param_shapes, with_params
-from pallas_kernels import quant
+from pallas_kernels import quant, quant_wgmma
+from pallas_kernels.pytree import build
 
 TP = tensor_parallel.AXIS
 
@@ -126,6 +128,23 @@ def quantized_spec(path: tuple, w: quant.QuantizedWeight, degree: int):
     return jax.tree.map(lambda _: spec, w)
 
 
+def kmajor_spec(path: tuple, w: quant_wgmma.KMajorWeight, degree: int):
+    """The PartitionSpecs of a weight laid out K-major for Hopper's kernel (a ``KMajorWeight``
+    of them): the stored layout's rule with its codes' axes swapped (``values [N, K]``), scales
+    ``[K/group, N]`` as the stored ones. Such a program runs the XLA path (the kernel has no
+    partitioning rule), which dequantizes each device's shard."""
+    k, _ = w.shape
+    names = tuple(str(x) for x in path)
+    spec = partition_spec(names, 2)
+    if spec and spec[0] is not None and (k // w.group) % degree:
+        spec = PartitionSpec(None, spec[1])
+    k_axis, n_axis = (tuple(spec) + (None, None))[:2]
+    return build(
+        quant_wgmma.KMajorWeight, values=PartitionSpec(n_axis, k_axis),
+        scales=PartitionSpec(k_axis, n_axis), bits=w.bits, group=w.group, dtype=w.dtype,
+    )  # fmt: skip
+
+
 def param_partition_specs(cfg: ModelConfig, params: dict | None = None, degree: int = 1) -> dict:
     """Nested dict of PartitionSpecs over the mesh axis ``"tp"`` for the parameters of ``cfg``,
     or of the nested parameter dict ``params`` (quantized weights' arrays included, laid out for
@@ -139,9 +158,11 @@ def param_partition_specs(cfg: ModelConfig, params: dict | None = None, degree: 
         path = tuple(_key(k) for k in p)
         if quant.is_quantized(x):
             return quantized_spec(path, x, degree)
+        if isinstance(x, quant_wgmma.KMajorWeight):
+            return kmajor_spec(path, x, degree)
         return partition_spec(path, len(x.shape))
 
-    return jax.tree_util.tree_map_with_path(one, params, is_leaf=quant.is_quantized)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=any_quantized)
 
 
 def param_specs(cfg: ModelConfig, mesh: Mesh, params: dict | None = None) -> dict:
