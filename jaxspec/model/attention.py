@@ -118,7 +118,7 @@ def causal_self_attention(q, k, v, block: Block, impl: str):
     """Attention of a fresh block over its own K/V (``q [b, t, H, hd]``, ``k, v [b, t, KH,
     hd]``): the contract of ``pallas_kernels.reference.attend`` for ``causal_block``'s block on an
     empty cache. The real tokens come first, so a real query's causal row holds real keys only
-    (no padding lengths: at 4K they cost cuDNN 0.6 ms of 6.7, prefill_probe.json); a padding
+    (no padding lengths: at 4K they cost cuDNN 0.6 ms of 6.7, notes/prefill_probe.md); a padding
     query sees nothing and returns zeros."""
     real = jnp.diagonal(block.block_mask, axis1=1, axis2=2)  # [b, t]: token i is real
     out = jax.nn.dot_product_attention(
