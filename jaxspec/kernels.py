@@ -72,9 +72,9 @@ DEFAULTS = {
         # prefill chunks: the 4K prefill of the SmolLM2 shape 43.4 -> 14.0 ms (prefill_probe)
         attention="pallas",
         # a prompt's first chunk (an empty cache) through cuDNN's flash attention: 4K prefill of
-        # the SmolLM2 shape 13.28 ms (the flash kernel, 2048-token chunks) -> 6.74 (cuDNN, one
-        # 4096-token chunk), 1K 3.71 -> 3.08; its attention 7.42 -> 2.03 ms (one H100, CUPTI,
-        # benchmarks/results/prefill_probe.json)
+        # the SmolLM2 shape 13.99 ms (the flash kernel, 2048-token chunks) -> 7.20 (cuDNN, one
+        # chunk), its attention 7.40 -> 2.06 ms of kernels; the real SmolLM2's first token after
+        # a 4K prompt 16.1 -> 9.2-9.5 ms (one H100, benchmarks/results/prefill_probe.json)
         prefill_attention="cudnn",
         # RoPE + cache write + attention in one kernel: SmolLM2-shape step 1.023 -> 0.941 ms,
         # 121 of its 491 kernels gone (benchmarks/results/small_step_probe.json)
@@ -135,10 +135,11 @@ class KernelConfig:
     """Which kernels run. ``"auto"`` / ``None`` fields are filled by ``resolve``.
 
     attention:       decode and prefill attention: "reference" (jnp), "pallas", "interpret".
-    prefill_attention: a causal block wider than the decode kernel takes (a prefill chunk) into
-                     an empty cache: "cudnn" (``jax.nn.dot_product_attention`` on cuDNN's flash
-                     attention, for bf16/f16), "xla" (the same call through XLA: any backend,
-                     tests), "off" (``attention``'s path). Other blocks take ``attention``'s.
+    prefill_attention: a prompt's first chunk (``Block.fresh``: an empty cache) wider than the
+                     decode kernel takes: "cudnn" (``jax.nn.dot_product_attention`` on cuDNN's
+                     flash attention over the chunk's own K/V, for bf16/f16), "xla" (the same
+                     call through XLA: any backend, tests), "off" (``attention``'s path). Other
+                     blocks take ``attention``'s.
     attention_tile:  (block_k, num_stages, min_split) of the split-K decode kernel; None: its own
                      heuristics (``pallas_kernels.decode_attention.plan``).
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
