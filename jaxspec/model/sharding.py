@@ -116,15 +116,20 @@ def _layout(cfg: ModelConfig) -> dict:
     return tree
 
 
-def quantized_spec(path: tuple, w: quant.QuantizedWeight, degree: int):
-    """The PartitionSpecs of a quantized weight's arrays (a ``QuantizedWeight`` of them)."""
-    names = tuple(str(k) for k in path)
+def _quantized_matrix_spec(path: tuple, k: int, group: int, degree: int) -> PartitionSpec:
+    """The ``[K, N]`` rule of a quantized weight at ``path``: K split only at group boundaries."""
+    names = tuple(str(x) for x in path)
     if names == ("embed_tokens",):  # stored as the LM head: [D, V]
         names = ("lm_head", "kernel")
     spec = partition_spec(names, 2)
-    groups = w.shape[0] // w.group
-    if spec and spec[0] is not None and groups % degree:  # K cannot split at group boundaries
+    if spec and spec[0] is not None and (k // group) % degree:
         spec = PartitionSpec(None, spec[1])
+    return spec
+
+
+def quantized_spec(path: tuple, w: quant.QuantizedWeight, degree: int):
+    """The PartitionSpecs of a quantized weight's arrays (a ``QuantizedWeight`` of them)."""
+    spec = _quantized_matrix_spec(path, w.shape[0], w.group, degree)
     return jax.tree.map(lambda _: spec, w)
 
 
@@ -133,11 +138,7 @@ def kmajor_spec(path: tuple, w: quant_wgmma.KMajorWeight, degree: int):
     of them): the stored layout's rule with its codes' axes swapped (``values [N, K]``), scales
     ``[K/group, N]`` as the stored ones. Such a program runs the XLA path (the kernel has no
     partitioning rule), which dequantizes each device's shard."""
-    k, _ = w.shape
-    names = tuple(str(x) for x in path)
-    spec = partition_spec(names, 2)
-    if spec and spec[0] is not None and (k // w.group) % degree:
-        spec = PartitionSpec(None, spec[1])
+    spec = _quantized_matrix_spec(path, w.shape[0], w.group, degree)
     k_axis, n_axis = (tuple(spec) + (None, None))[:2]
     return build(
         quant_wgmma.KMajorWeight, values=PartitionSpec(n_axis, k_axis),
