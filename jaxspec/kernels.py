@@ -33,6 +33,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
@@ -88,7 +89,9 @@ DEFAULTS = {
         # path made the verify 1.65 ms against a 0.60 ms decode step (verify.json, 2026-12-02),
         # where the plain path verifies 9 rows in 0.85 ms (small_model_trees_s9)
         linear_rows=1,
-        fused_commit="pallas",  # one kernel for a tree verify's K/V moves in every cache
+        # one kernel for a tree verify's K/V moves in every cache: SmolLM2 tree verify + commit
+        # 2.117 -> 2.080 ms (benchmarks/results/verify.json, its commit_off row)
+        fused_commit="pallas",
         # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
         # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
         gemm_rows=8,
@@ -311,12 +314,15 @@ class KernelConfig:
         fill["resolved"] = True
         return KernelConfig(**fill)
 
-    def prefill_tokens(self, batch: int) -> int:
-        """Prompt tokens a row per prefill step for ``batch`` rows."""
+    def prefill_tokens(self, batch: int, dtype=None) -> int:
+        """Prompt tokens a row per prefill step for ``batch`` rows of a model computing in
+        ``dtype`` (None: any; a float32 model's first chunk cannot take cuDNN, and the flash
+        kernel over a cache is slower with longer chunks)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         per_row = 1 << (max(1, GPU_PREFILL_TOKENS // max(batch, 1)).bit_length() - 1)
-        most = CUDNN_PREFILL_CHUNK if self.prefill_attention == "cudnn" else GPU_PREFILL_CHUNK
+        cudnn = self.prefill_attention == "cudnn" and (dtype is None or _half(dtype))
+        most = CUDNN_PREFILL_CHUNK if cudnn else GPU_PREFILL_CHUNK
         return max(MIN_PREFILL_CHUNK, min(most, per_row))
 
     def loop_steps(self, default: int) -> int:
@@ -447,6 +453,10 @@ def _cudnn_flash() -> bool:
     except RuntimeError:
         return True
     return all(float(getattr(d, "compute_capability", "8.0")) >= 8.0 for d in gpus)
+
+
+def _half(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _int(x) -> bool:

@@ -241,6 +241,7 @@ def test_two_kernel_configs_are_two_programs_in_one_process():
 
 GARBAGE = {
     "JAXSPEC_ATTENTION": "foo",
+    "JAXSPEC_PREFILL_ATTENTION": "flash",
     "JAXSPEC_FUSED_LINEAR": "fast",
     "JAXSPEC_FUSED_ATTENTION": "yes",
     "JAXSPEC_FUSED_COMMIT": "1",

@@ -153,6 +153,9 @@ def test_gpu_chunk_keeps_tokens_per_step_bounded():
     assert got == [8192, 8192, 4096, 2048, 1024, 512, 256, 256]
     flash = KernelConfig(prefill_attention="off").resolve(tiny.CFG, backend="gpu")
     assert [flash.prefill_tokens(b) for b in (1, 8, 16)] == [2048, 2048, 1024]
+    # a float32 model cannot take cuDNN: its chunks are the flash kernel's
+    assert gpu.prefill_tokens(1, jnp.float32) == 2048
+    assert gpu.prefill_tokens(1, jnp.bfloat16) == 8192
     assert max(b * gpu.prefill_tokens(b) for b in (16, 32, 64)) == K.GPU_PREFILL_TOKENS
     assert KernelConfig(prefill_chunk=512).resolve(tiny.CFG, backend="gpu").prefill_tokens(1) == 512
 

@@ -95,7 +95,7 @@ def head_prefill(net: Net, flat, cache: KVCache, ids, feats, lens) -> KVCache:
     position t, for ``t < lens - 1`` (the last prompt state pairs with the first new token, which
     the first draft step feeds), in the target's prefill chunks."""
     b, width = ids.shape
-    chunk = fit_chunk(width, net.kernels.prefill_tokens(b))
+    chunk = fit_chunk(width, net.kernels.prefill_tokens(b, net.dtype))
     nxt = jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))
     zero = jnp.zeros((b, 1), jnp.int32)
 

@@ -57,7 +57,7 @@ def prefill(
     Positions equal slots here (a dense cache); ragged rows simply stop earlier.
     """
     b, width = ids.shape
-    chunk = fit_chunk(width, net.kernels.prefill_tokens(b))
+    chunk = fit_chunk(width, net.kernels.prefill_tokens(b, net.dtype))
 
     def forward(cache, acc, start, valid, block):
         tok = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
