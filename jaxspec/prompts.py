@@ -50,7 +50,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) 
             arr = np.asarray(ids, np.int64)
         else:
             arr = _id_array(p, i)
-            ids = arr.tolist()  # Python ints (a 4K prompt: 0.05 ms; a loop of int(): 0.8)
+            ids = arr.tolist()  # Python ints, in one call (not an int() per id)
         check_token_ids(arr, cfg)
         out.append(ids)
     return out
