@@ -110,6 +110,7 @@ def test_tokenizer_built_without_torch_equals_transformers_gguf_tokenizer(real):
     assert len(model.tokenizer) == len(ref)
 
 
+@pytest.mark.slow  # 80 s on CI's 2 cores; test_fused_linear runs the same paths on tiny models
 def test_fast_paths_decode_the_real_model_like_the_plain_path(real, monkeypatch):
     """The GPU fast paths (the Pallas attention kernel and the fused projection kernels), run
     through the Pallas interpreter on the real model in float32, emit the plain path's greedy
