@@ -591,3 +591,123 @@ def test_tree_forwards_and_reroot_match_full_forward():
     ref = np.asarray(ref)[np.arange(len(checks)), lens - 1]
     np.testing.assert_allclose(np.stack([g for _, g in checks]), ref, atol=1e-5)
     assert len(checks) > 30
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop-free forms (add_children's one-hot update, add_path, the greedy walk) against plain
+# numpy references of their definitions, on random inputs with duplicates, drops and overflow.
+
+
+def add_children_reference(tr, parents, tokens, lp):
+    """``add_children`` by its docstring, one child at a time."""
+    out = {f: np.array(getattr(tr, f)) for f in ("token", "parent", "depth", "score", "valid")}
+    anc, size = np.array(tr.anc), np.array(tr.size)
+    size0, valid0 = size.copy(), out["valid"].copy()  # parents are nodes from before the call
+    b, w, k = tokens.shape
+    n = out["token"].shape[1]
+    new = np.full((b, w, k), -1)
+    for r in range(b):
+        for i in range(w):
+            for j in range(k):
+                p, v = parents[r, i], lp[r, i, j]
+                if p < 0 or p >= size0[r] or not valid0[r, p] or not v > -np.inf:
+                    continue
+                if size[r] >= n:
+                    continue
+                c = size[r]
+                size[r] += 1
+                new[r, i, j] = c
+                out["token"][r, c], out["parent"][r, c] = tokens[r, i, j], p
+                out["depth"][r, c] = out["depth"][r, p] + 1
+                out["score"][r, c] = out["score"][r, p] + np.float32(v)
+                out["valid"][r, c] = True
+                anc[r, c] = anc[r, p]
+                anc[r, c, c] = True
+    return out, anc, size, new
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_add_children_equals_the_one_at_a_time_definition(seed):
+    rng = np.random.RandomState(seed)
+    tr = random_tree(seed, n=20, rounds=rng.randint(0, 4))
+    b, n = tr.token.shape
+    w, k = 4, 3
+    parents = rng.randint(-2, n, (b, w))  # -1 / -2: skipped; >= size: not a node
+    tokens = rng.randint(0, 5, (b, w, k))
+    lp = -rng.choice([0.0, 0.5, np.inf, np.nan, 2.0], (b, w, k)).astype(np.float32)
+    got, ids = add_children(tr, jnp.asarray(parents), jnp.asarray(tokens), jnp.asarray(lp))
+    want, anc, size, new = add_children_reference(tr, parents, tokens, lp)
+    for f, v in want.items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), v, err_msg=f)
+    np.testing.assert_array_equal(np.asarray(got.anc), anc)
+    np.testing.assert_array_equal(np.asarray(got.size), size)
+    np.testing.assert_array_equal(np.asarray(ids), new)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_add_path_equals_one_child_at_a_time(seed):
+    rng = np.random.RandomState(seed)
+    tr = random_tree(seed, n=16, rounds=rng.randint(0, 3))
+    b, n = tr.token.shape
+    d = 9  # some rows overflow the capacity
+    parent = rng.randint(-1, 12, b)
+    tokens = rng.randint(0, 50, (b, d))
+    lp = -rng.choice([0.0, 0.25, 1.0, np.inf], (b, d), p=[0.4, 0.3, 0.2, 0.1]).astype(np.float32)
+    got = jax.jit(T.add_path)(tr, jnp.asarray(parent), jnp.asarray(tokens), jnp.asarray(lp))
+    want, par = tr, jnp.asarray(parent)[:, None]
+    for i in range(d):
+        want, new = add_children(want, par, jnp.asarray(tokens[:, i, None, None]),
+                                 jnp.asarray(lp[:, i, None, None]))  # fmt: skip
+        par = new[:, :, 0]
+    for f in ("token", "parent", "depth", "score", "valid", "size", "anc"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), f)
+    for r in range(b):
+        check_consistent(got, r)
+
+
+def walk_reference(tokens, parent, valid, target):
+    """The greedy walk, step by step: descend into the lowest valid child whose token is the
+    target's argmax after the current slot."""
+    b, t = tokens.shape
+    path, ns, nxt = np.full((b, t - 1), -1), np.zeros(b, int), np.zeros(b, int)
+    for r in range(b):
+        cur, n = 0, 0
+        while True:
+            hits = [j for j in range(1, t) if valid[r, j] and parent[r, j] == cur
+                    and tokens[r, j] == target[r, cur]]  # fmt: skip
+            if not hits:
+                break
+            cur = hits[0]
+            path[r, n] = cur
+            n += 1
+        ns[r], nxt[r] = n, target[r, cur]
+    return path, ns, nxt
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_walk_equals_the_step_by_step_walk(seed):
+    """Random blocks (parents before children, duplicate sibling tokens, padding slots, a
+    3-token vocabulary so that paths run deep) against the walk's definition."""
+    rng = np.random.RandomState(seed)
+    b, t = 16, int(rng.choice([2, 5, 9, 17]))
+    parent = np.full((b, t), -1)
+    for j in range(1, t):  # often the slot before: long chains
+        parent[:, j] = np.where(rng.rand(b) < 0.5, j - 1, rng.randint(0, j, b))
+    valid = rng.rand(b, t) < 0.85
+    valid[:, 0] = True
+    parent = np.where(valid, parent, -1)
+    tokens = rng.randint(0, 3, (b, t))
+    target = rng.randint(0, 3, (b, t))
+    for r in range(b):  # mostly the token of one of the slot's children: paths run deep
+        for c in range(t):
+            kids = np.flatnonzero(parent[r] == c)
+            if len(kids) and rng.rand() < 0.8:
+                target[r, c] = tokens[r, rng.choice(kids)]
+    got = ACCEPT_TREE_GREEDY(*(jnp.asarray(x) for x in (tokens, parent, valid, target)))
+    want = walk_reference(tokens, parent, valid, target)
+    for g, w, name in zip(got, want, ("path", "n", "next"), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+    assert np.asarray(got[1]).max() >= min(t - 1, 3), "shallow paths: the jumps go unseen"
+
+
+ACCEPT_TREE_GREEDY = jax.jit(accept_tree_greedy)

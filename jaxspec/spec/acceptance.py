@@ -123,35 +123,41 @@ def accept_tree_greedy(
 ) -> tuple[Int[Array, "b m"], Int[Array, " b"], Int[Array, " b"]]:
     """Walk from the root: at slot c descend into the (lowest-slot) valid child whose token is
     ``target_tokens[:, c]`` (the target's argmax after c); stop when none. Returns (path, n,
-    next) with next = ``target_tokens`` at the last accepted slot. No randomness."""
+    next) with next = ``target_tokens`` at the last accepted slot. No randomness.
+
+    Computed without a loop over the walk's steps (a GPU ran each step as a few kernels of its
+    own): slot j *matches* when its token is the target's argmax after its parent, and no
+    lower slot under the same parent matches; the walk reaches j exactly when j and all its
+    ancestors match, which ``log2(t)`` pointer-jumping steps over the parents decide, together
+    with j's depth (its place on the path)."""
     b, t = tokens.shape
     m = t - 1
-    rows = jnp.arange(b)
-    slots = jnp.arange(t)
-
-    def step(_, st):
-        cur, done, n, path = st
-        y = target_tokens[rows, cur]
-        hit = valid & (slots > 0) & (parent == cur[:, None]) & (tokens == y[:, None])
-        hit = hit & ~done[:, None]
-        any_hit = jnp.any(hit, axis=1)
-        child = jnp.argmax(hit, axis=1).astype(jnp.int32)
-        path = path.at[rows, jnp.where(any_hit, n, m)].set(child, mode="drop")
-        return (
-            jnp.where(any_hit, child, cur),
-            done | ~any_hit,
-            n + any_hit.astype(jnp.int32),
-            path,
-        )
-
-    init = (
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b,), bool),
-        jnp.zeros((b,), jnp.int32),
-        jnp.full((b, m), -1, jnp.int32),
+    slots = jnp.arange(t, dtype=jnp.int32)
+    pc = jnp.clip(parent, 0, t - 1)
+    match = (
+        valid
+        & (slots > 0)
+        & (parent >= 0)
+        & (tokens == jnp.take_along_axis(target_tokens, pc, axis=1))
     )
-    cur, _, n, path = jax.lax.fori_loop(0, m, step, init)
-    return path, n, target_tokens[rows, cur].astype(jnp.int32)
+    same = (pc[:, None, :] == pc[:, :, None]) & (slots[None, :] < slots[:, None])  # [b, j, i]
+    match = match & ~jnp.any(same & match[:, None, :], axis=2)
+    # pointer jumping: ``ok`` = every slot from j up to (not including) ``up`` matches; ``depth``
+    # = the slots in between; ``up`` jumps to its own ``up`` until it is the root
+    ok = match | (slots == 0)
+    depth = (slots > 0).astype(jnp.int32) * jnp.ones((b, 1), jnp.int32)
+    up = jnp.where(slots > 0, pc, 0)
+    for _ in range(max(1, (t - 1).bit_length())):
+        ok = ok & jnp.take_along_axis(ok, up, axis=1)
+        depth = depth + jnp.take_along_axis(depth, up, axis=1)
+        up = jnp.take_along_axis(up, up, axis=1)
+    on = ok & (slots > 0)  # on the accepted path
+    n = jnp.sum(on, axis=1, dtype=jnp.int32)
+    at = on[:, None, :] & (depth[:, None, :] == jnp.arange(1, m + 1)[None, :, None])  # [b, m, t]
+    path = jnp.where(jnp.any(at, axis=2), jnp.argmax(at, axis=2), -1).astype(jnp.int32)
+    last = jnp.max(jnp.where(on & (depth == n[:, None]), slots, 0), axis=1)
+    nxt = jnp.take_along_axis(target_tokens, last[:, None], axis=1)[:, 0]
+    return path, n, nxt.astype(jnp.int32)
 
 
 def accept_tree(

@@ -127,22 +127,63 @@ def add_children(
     new = tree.size[:, None] + jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1
     real = real & (new < n)
     new = jnp.where(real, new, -1)
-    dst = jnp.where(real, new, n)  # n: out of range, dropped
+    # node i takes child j where new[j] == i: a one-hot match and gathers, not a scatter per
+    # field (a GPU runs each scatter as a kernel of its own: seven a call, and a tree round
+    # makes several calls)
+    hit = new[:, :, None] == jnp.arange(n)[None, None, :]  # [b, w*k, n]; -1 matches nothing
+    got = jnp.any(hit, axis=1)
+    src = jnp.argmax(hit, axis=1)  # [b, n]: the child each new node takes
 
     def put(x, v):
-        return x.at[rows, dst].set(v, mode="drop")
+        taken = jnp.take_along_axis(v, src, axis=1) if v.ndim == 2 else v
+        return jnp.where(got, taken, x)
 
-    anc_rows = tree.anc[rows, pc] | (jnp.arange(n) == new[..., None])
+    anc_new = tree.anc[rows, jnp.take_along_axis(pc, src, axis=1)] | jnp.eye(n, dtype=bool)
     out = Tree(
         token=put(tree.token, tok),
         parent=put(tree.parent, par),
         depth=put(tree.depth, tree.depth[rows, pc] + 1),
         score=put(tree.score, tree.score[rows, pc] + lp),
-        valid=put(tree.valid, True),
+        valid=tree.valid | got,
         size=tree.size + jnp.sum(real, axis=1, dtype=jnp.int32),
-        anc=put(tree.anc, anc_rows),
+        anc=jnp.where(got[:, :, None], anc_new, tree.anc),
     )
     return out, new.reshape(b, w, k)
+
+
+def add_path(
+    tree: Tree, parent: Int[Array, " b"], tokens: Int[Array, "b d"], logprobs: Float[Array, "b d"]
+) -> Tree:
+    """Append ``tokens[b, :]`` as a chain under node ``parent[b]``: what ``d`` calls of
+    ``add_children`` with one child each (the first under ``parent``, each next under the one
+    before) make, as one elementwise update. A child with logprob -inf or NaN is dropped and
+    so is everything after it; so is a chain under an invalid parent, and past the capacity."""
+    b, n = tree.token.shape
+    d = tokens.shape[1]
+    rows = jnp.arange(b)
+    ids = jnp.arange(n, dtype=jnp.int32)[None, :]
+    pc = jnp.clip(parent, 0, n - 1)
+    ok = (parent >= 0) & (parent < tree.size) & tree.valid[rows, pc]
+    lp = logprobs.astype(jnp.float32)
+    keep = jnp.cumprod(lp > -jnp.inf, axis=1).astype(bool) & ok[:, None]  # [b, d]
+    count = jnp.sum(keep, axis=1, dtype=jnp.int32)
+    rel = ids - tree.size[:, None]  # chain index of node i
+    got = (rel >= 0) & (rel < count[:, None])  # ids past n never exist: capacity respected
+    rc = jnp.clip(rel, 0, d - 1)
+    cum = jnp.cumsum(jnp.where(keep, lp, 0.0), axis=1)
+    base_score, base_depth = tree.score[rows, pc], tree.depth[rows, pc]
+    par = jnp.where(rel == 0, parent[:, None], ids - 1)
+    above = (ids[:, None, :] >= tree.size[:, None, None]) & (ids[:, None, :] <= ids[:, :, None])
+    anc_new = tree.anc[rows, pc][:, None, :] | above
+    return Tree(
+        token=jnp.where(got, jnp.take_along_axis(tokens.astype(jnp.int32), rc, 1), tree.token),
+        parent=jnp.where(got, par, tree.parent).astype(jnp.int32),
+        depth=jnp.where(got, base_depth[:, None] + 1 + rel, tree.depth).astype(jnp.int32),
+        score=jnp.where(got, base_score[:, None] + jnp.take_along_axis(cum, rc, 1), tree.score),
+        valid=tree.valid | got,
+        size=jnp.minimum(tree.size + count, n),
+        anc=jnp.where(got[:, :, None], anc_new, tree.anc),
+    )
 
 
 def best_leaves(tree: Tree, w: int, expanded: Bool[Array, "b n"]) -> Int[Array, "b w"]:
@@ -217,14 +258,11 @@ def verify_layout(
     slot_ids = jnp.arange(t, dtype=jnp.int32)
     mask = tree.anc[rows[:, :, None], nc[:, :, None], nc[:, None, :]]
     mask = mask & valid[:, :, None] & valid[:, None, :]
-    slot_of = (
-        jnp.full((b, n), -1, jnp.int32)
-        .at[rows, jnp.where(valid, nc, n)]
-        .set(jnp.broadcast_to(slot_ids, (b, t)), mode="drop")
-    )
     par_node = tree.parent[rows, nc]
+    # the block slot holding each slot's parent node: a match over the block's slots
+    holds = (node[:, None, :] == par_node[:, :, None]) & valid[:, None, :]  # [b, t, u]
     parent = jnp.where(
-        valid & (par_node >= 0), slot_of[rows, jnp.clip(par_node, 0, n - 1)], -1
+        valid & (par_node >= 0) & jnp.any(holds, axis=2), jnp.argmax(holds, axis=2), -1
     ).astype(jnp.int32)
     block = Block(
         positions=(root_position[:, None] + depth).astype(jnp.int32),
@@ -322,11 +360,8 @@ def reroot(
     keep = found[:, None] & tree.anc[rows, ids[None, :], c[:, None]] & tree.valid
     new_id = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1
     n_kept = jnp.sum(keep, axis=1, dtype=jnp.int32)
-    keep_src = (
-        jnp.full((b, n), -1, jnp.int32)
-        .at[rows, jnp.where(keep, new_id, n)]
-        .set(jnp.broadcast_to(ids, (b, n)), mode="drop")
-    )
+    lands = keep[:, None, :] & (new_id[:, None, :] == ids[None, :, None])  # [b, new, old]
+    keep_src = jnp.where(jnp.any(lands, axis=2), jnp.argmax(lands, axis=2), -1).astype(jnp.int32)
     ok = keep_src >= 0
     src = jnp.clip(keep_src, 0, n - 1)
     root = ids[None, :] == 0
@@ -384,12 +419,10 @@ def reroot_kv_src(
         [jnp.ones((b, 1), bool), jnp.arange(k)[None, :] < path_len[:, None], kept], axis=1
     )
     pos = jnp.cumsum(ok, axis=1, dtype=jnp.int32) - 1
-    rows = _rows(b)
-    src = (
-        jnp.zeros((b, m), jnp.int32)
-        .at[rows, jnp.where(ok, pos, m)]
-        .set(cand.astype(jnp.int32), mode="drop")
-    )
+    lands = ok[:, None, :] & (pos[:, None, :] == jnp.arange(m)[None, :, None])  # [b, row, cand]
+    src = jnp.where(
+        jnp.any(lands, axis=2), jnp.take_along_axis(cand, jnp.argmax(lands, axis=2), 1), 0
+    ).astype(jnp.int32)
     count = jnp.sum(ok, axis=1, dtype=jnp.int32)
     return (
         (root_slot[:, None] + src).astype(jnp.int32),

@@ -188,12 +188,8 @@ class NgramTreeDraft:
 
     def grow(self, params, s: NgramTreeState, *, expansions: int, width: int, branch: int):
         toks, _, _ = self.ngram.propose(None, s.lookup, None, expansions, Sampling())
-        tree = s.tree
-        parent = jnp.zeros((toks.shape[0], 1), jnp.int32)
-        for i in range(expansions):
-            zero = jnp.zeros((toks.shape[0], 1, 1), jnp.float32)
-            tree, new = T.add_children(tree, parent, toks[:, i, None, None], zero)
-            parent = new[:, :, 0]
+        root = jnp.zeros((toks.shape[0],), jnp.int32)
+        tree = T.add_path(s.tree, root, toks, jnp.zeros(toks.shape, jnp.float32))
         return dataclasses.replace(s, tree=tree)
 
     def commit(self, s: NgramTreeState, tb: T.TreeBlock, path, n_acc, bonus, feats=None):
