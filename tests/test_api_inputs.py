@@ -130,6 +130,21 @@ def test_a_repeated_call_reuses_its_program_and_rechecks_what_differs():
     assert len(target._cache[api._PROGRAMS]) == api.KEPT_PROGRAMS
 
 
+def test_a_model_made_by_replace_keeps_its_program_from_call_to_call():
+    """``dataclasses.replace(model, params=...)`` (how tests make a perturbed draft) gives a model
+    with its own derived values: sharing the target's made the two evict each other's flat
+    weights at every call, so no program was ever kept for a draft made that way."""
+    import dataclasses
+
+    target = tiny.model(0)
+    draft = dataclasses.replace(target, params=jax.tree.map(lambda x: 0.9 * x, target.params))
+    assert draft._cache is not target._cache
+    kw = dict(method="chain", draft=draft, max_new_tokens=4, gamma=2)
+    jaxspec.generate(target, IDS, **kw)
+    first = jaxspec.generate(target, IDS, **kw)
+    assert jaxspec.generate(target, IDS, **kw).call.prog is first.call.prog
+
+
 def test_tune_host_is_applied_once_and_says_whether_it_changed_anything():
     import platform
 

@@ -54,7 +54,7 @@ def bigram(m, leak: float = 0.0):
             layer[part][proj]["kernel"] = leak * layer[part][proj]["kernel"]
     state = jax.tree.map(lambda x: x, m.params)
     nnx.replace_by_pure_dict(state, pure)
-    return dataclasses.replace(m, params=state, _cache={})
+    return dataclasses.replace(m, params=state)
 
 
 def copy_head(target, sign: float, mix: float = 0.0, seed: int = 0) -> FeatureModel:

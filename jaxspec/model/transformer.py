@@ -334,7 +334,9 @@ class Network:
     tokenizer: object | None = None
     name: str = ""
     kernels: KernelConfig | None = None
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+    # not an init field: ``dataclasses.replace(model, params=...)`` makes a model whose derived
+    # values start empty (sharing them made two models evict each other's on every call)
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, init=False)
 
     @property
     def dtype(self):
@@ -461,7 +463,7 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
 
 def with_params(model: Model, params: nnx.State, **changes) -> Model:
     """``model`` with other parameter arrays (same structure), e.g. placed on a mesh."""
-    return dataclasses.replace(model, params=params, _cache={}, **changes)
+    return dataclasses.replace(model, params=params, **changes)
 
 
 def truncate(model: Model, num_layers: int) -> Model:
