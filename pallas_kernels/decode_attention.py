@@ -42,7 +42,13 @@ _NEG = -1e30
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_T = 64
-MAX_N = 128
+# Block slots: the last split takes them in tiles of at most BLOCK_TILE slots (one tile of 128
+# keys is what the kernel was tuned with). A model draft's default tree has 129 nodes (1 + 4
+# expansions x 8 leaves x 4 children), one past a single tile: before the tiles its expansions
+# went to the flash kernel, at 22.7 us a call against this kernel's 4.2 (one H100, SmolLM2-shape
+# draft, 1K of context: benchmarks/results/spec_rounds.json).
+BLOCK_TILE = 128
+MAX_N = 512
 
 
 def reference(
@@ -76,6 +82,14 @@ def layout_problem(q, k, v) -> str | None:
     if len(dts) != 1 or next(iter(dts)) not in SUPPORTED_DTYPES:
         return f"dtypes {sorted(str(d) for d in dts)} (need one of bf16/f16/f32 for q, k, v)"
     return None
+
+
+def block_width(n: int) -> int:
+    """Block slots as the kernel lays them out: a power of two >= 16 up to ``BLOCK_TILE``, whole
+    tiles past it."""
+    if n <= BLOCK_TILE:
+        return max(16, _next_pow2(n)) if n else 16
+    return math.ceil(n / BLOCK_TILE) * BLOCK_TILE
 
 
 def unsupported_reason(q, k, v, block_mask) -> str | None:
@@ -163,12 +177,16 @@ def _kernel(
     if n_block:
 
         def block_part(carry):
-            cols = jnp.arange(n_pad)
-            valid = (cols < n_block) & (length + cols < seq_len)
-            k = plgpu.load(k_ref.at[pl.ds(length, n_pad), :], mask=valid[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[pl.ds(length, n_pad), :], mask=valid[:, None], other=0.0)
-            allowed = (bm_ref[...] != 0) & valid[None, :]
-            return update(carry, k, v, allowed)
+            tile = min(n_pad, BLOCK_TILE)
+            for c0 in range(0, n_pad, tile):  # static: at most MAX_N // BLOCK_TILE tiles
+                cols = c0 + jnp.arange(tile)
+                valid = (cols < n_block) & (length + cols < seq_len)
+                at = pl.ds(length + c0, tile)
+                k = plgpu.load(k_ref.at[at, :], mask=valid[:, None], other=0.0)
+                v = plgpu.load(v_ref.at[at, :], mask=valid[:, None], other=0.0)
+                allowed = (bm_ref[:, pl.ds(c0, tile)] != 0) & valid[None, :]
+                carry = update(carry, k, v, allowed)
+            return carry
 
         carry = lax.cond(split == n_splits - 1, block_part, lambda c: c, carry)
 
@@ -284,7 +302,7 @@ def decode_attention_partials(
         min_split=min_split,
     )
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
-    n_pad = max(16, _next_pow2(n)) if n else 16
+    n_pad = block_width(n)
 
     # Rows r = t * G + g of KV head h: [B, KH, M_pad, hd].
     qr = q.reshape(b, t, kh, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, hd)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode_attention import (
+    BLOCK_TILE,
     decode_attention,
     decode_attention_partials,
     plan,
@@ -88,6 +89,33 @@ def test_matches_reference(t, g, s, n, lengths, dtype):
     got = decode_attention(*poisoned, interpret=INTERPRET)
     assert got.shape == poisoned[0].shape and got.dtype == dtype
     check(got, clean, dtype)
+
+
+@pytest.mark.parametrize(
+    "t, n, lengths, dtype",
+    [(9, 129, [150, 3], jnp.bfloat16), (4, 300, [0, 77], jnp.float32)],
+    ids=["draft-tree-129-bf16", "three-tiles-f32"],
+)
+def test_blocks_wider_than_a_tile(t, n, lengths, dtype):
+    """Blocks of more than ``BLOCK_TILE`` slots (a model draft's tree expansion: 9 queries over
+    its 129-node window) go through the kernel in tiles, every tile's slots seen: each query
+    sees a random third of the block, some of it in every tile."""
+    poisoned, clean = make_inputs(
+        n, b=len(lengths), t=t, kh=2, g=3, s=max(lengths) + n + 5, n=n, lengths=lengths,
+        dtype=dtype,
+    )  # fmt: skip
+    rng = np.random.default_rng(n)
+    mask = rng.random((len(lengths), t, n)) < 0.3
+    mask[:, :, ::BLOCK_TILE] = True  # every tile has a visible slot for every query
+    assert unsupported_reason(poisoned[0], poisoned[1], poisoned[2], jnp.asarray(mask)) is None
+    poisoned, clean = (x[:4] + (jnp.asarray(mask),) for x in (poisoned, clean))
+    got = decode_attention(*poisoned, interpret=INTERPRET)
+    check(got, clean, dtype)
+    cut = attend(*(y.astype(jnp.float32) if y.dtype == dtype else y for y in clean[:4]),
+                 jnp.asarray(mask).at[:, :, BLOCK_TILE:].set(False))  # fmt: skip
+    assert np.abs(np.asarray(got.astype(jnp.float32)) - np.asarray(cut)).max() > 0.1, (
+        "the slots past the first tile changed nothing: the test would not see them dropped"
+    )
 
 
 @pytest.mark.parametrize("k_splits, block_k", [(1, 16), (3, 16), (5, 32)])

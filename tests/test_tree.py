@@ -711,3 +711,23 @@ def test_greedy_walk_equals_the_step_by_step_walk(seed):
 
 
 ACCEPT_TREE_GREEDY = jax.jit(accept_tree_greedy)
+
+
+@pytest.mark.parametrize("v", [2049, 3000, 4096, 49152])
+def test_chunked_top_k_equals_lax_top_k(v):
+    """``tensor_parallel.top_k`` (a tree draft's children, in two stages) gives ``lax.top_k``'s
+    values and indices: coarse values (many ties, lowest index first), -inf entries, a row with
+    fewer finite entries than k, widths that do and do not fill the last chunk."""
+    from jaxspec.model import tensor_parallel
+
+    rng = np.random.RandomState(v)
+    x = rng.choice([0.0, -0.5, -1.0, -2.0, -np.inf], (5, v), p=[0.02, 0.1, 0.3, 0.5, 0.08])
+    x[1] = -np.inf
+    x[1, [7, v - 1]] = [-3.0, -1.0]
+    x[2] = rng.standard_normal(v)
+    x = jnp.asarray(x, jnp.float32)
+    for k in (1, 4, 8):
+        got = jax.jit(tensor_parallel.top_k, static_argnums=1)(x, k)
+        want = jax.lax.top_k(x, k)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

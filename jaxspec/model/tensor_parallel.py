@@ -265,13 +265,36 @@ def _top_local(logits, k: int):
     return jnp.take_along_axis(ids, at, -1), best - lse[..., None]
 
 
+# Rows longer than this go through ``top_k`` in two stages. XLA's GPU top-k kernel gives a row
+# one thread block: a tree draft's 9 rows of SmolLM2's 49152 log-probs took it 25.7 us a call, 4
+# calls a tree round (one H100, benchmarks/results/spec_rounds.json).
+TOP_K_CHUNK = 1024
+
+
+def top_k(x: Float[Array, "*b v"], k: int) -> tuple[Float[Array, "*b k"], Int[Array, "*b k"]]:
+    """``lax.top_k`` over the last axis, the same values and indices (ties: lowest index first),
+    as the top ``k`` of each ``TOP_K_CHUNK``-wide chunk, then the top ``k`` of those: many short
+    rows instead of a few long ones. The last chunk is padded with -inf, which sorts after every
+    real entry of equal value (it sits at higher indices)."""
+    v = x.shape[-1]
+    if v <= 2 * TOP_K_CHUNK or k > TOP_K_CHUNK:
+        return lax.top_k(x, k)
+    chunks = -(-v // TOP_K_CHUNK)
+    pad = chunks * TOP_K_CHUNK - v
+    xs = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    val, idx = lax.top_k(xs.reshape(*x.shape[:-1], chunks, TOP_K_CHUNK), k)
+    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * TOP_K_CHUNK)[:, None]
+    best, at = lax.top_k(val.reshape(*x.shape[:-1], chunks * k), k)
+    return best, jnp.take_along_axis(idx.reshape(*x.shape[:-1], chunks * k), at, axis=-1)
+
+
 def top_log_probs(
     net, logits: Float[Array, "*b v"], k: int
 ) -> tuple[Int[Array, "*b k"], Float[Array, "*b k"]]:
     """The ``k`` most likely tokens and their log-probabilities, best first; under the explicit
     step from one all-gather of each device's top ``k`` and log-sum-exp terms."""
     if not active(net):
-        val, tok = lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        val, tok = top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
         return tok.astype(jnp.int32), val
     fn = functools.partial(_top_local, k=k)
     rep = PartitionSpec()

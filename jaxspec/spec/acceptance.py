@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jaxspec.model import tensor_parallel
 from jaxspec.spec.sampling import draw
 
 
@@ -52,7 +53,7 @@ def top_children(
 ) -> tuple[Int[Array, "*b k"], Float[Array, "*b k"]]:
     """The k most likely tokens and their log-probs, best first (deterministic children; verify
     them with ``accept_tree`` / ``accept_tree_greedy``)."""
-    val, tok = jax.lax.top_k(logprobs.astype(jnp.float32), k)
+    val, tok = tensor_parallel.top_k(logprobs.astype(jnp.float32), k)
     return tok.astype(jnp.int32), val
 
 
