@@ -36,6 +36,14 @@ if [ "${1:-}" = attention ]; then
   for ms in 128 512; do split "attn_split${ms}_k128_b128_c512" 128 512 16 "$ms" 128; done
   exit
 fi
+if [ "${1:-}" = rounds ]; then
+  # `bash benchmarks/gpu/small_step.sh rounds` (~2 min): where a speculative round's time goes,
+  # chains against trees with the same draft, through generate() at batch 1 (probe_rounds.py:
+  # random SmolLM2-shape weights and a random 2-layer draft, kernels per round from a profiler
+  # trace). No GGUF. Writes $OUT/spec_rounds.json (results/spec_rounds.json).
+  bench spec_rounds 300 python3 benchmarks/probe_rounds.py --random --out "$OUT/spec_rounds.json"
+  exit
+fi
 if [ "${1:-}" = verify ]; then
   # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
   # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at

@@ -278,7 +278,8 @@ def top_k(x: Float[Array, "*b v"], k: int) -> tuple[Float[Array, "*b k"], Int[Ar
     real entry of equal value (it sits at higher indices)."""
     v = x.shape[-1]
     if v <= 2 * TOP_K_CHUNK or k > TOP_K_CHUNK:
-        return lax.top_k(x, k)
+        val, idx = lax.top_k(x, k)
+        return val, idx
     chunks = -(-v // TOP_K_CHUNK)
     pad = chunks * TOP_K_CHUNK - v
     xs = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)

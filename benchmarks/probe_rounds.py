@@ -1,0 +1,155 @@
+"""Where a speculative round's GPU time goes: chains against trees with the same draft, through
+``generate()`` at batch 1, the kernels of each round from a profiler trace.
+
+    python benchmarks/probe_rounds.py --random [--only chain_draft,tree_draft] [--out F.json]
+    python benchmarks/probe_rounds.py --draft DIR [--out F.json]   # the real SmolLM2 (GGUF)
+
+Rows: autoregressive; chain and tree with prompt lookup over the same 8 tokens (chain gamma 8,
+a tree of depth 8, width 1: the same tokens a verify, so what differs is the tree's own work);
+chain (gamma 4) and the default tree with a 2-layer draft. Each row: ``generate()`` of 128
+tokens after a 1K context, median of ``--repeats`` calls after a warm-up (``engine_ms``, the
+engine's own wall), its rounds (new tokens over the acceptance length) and, from a profiler trace
+of one more call, kernels and GPU busy time per round and the kernels that take it (names with
+their numbers stripped: ``[name, calls, us a round, calls a round]``).
+
+``--random``: random bf16 weights of the SmolLM2-135M shape and a random 2-layer draft of the
+shipped draft's shape (no GGUF: one GPU call). What a round costs depends on its kernels, not on
+the weights; acceptance does not carry over (a random draft accepts about nothing), so only the
+rounds' costs compare. Without it, the real model and the draft folder ``--draft``, plus trees
+of other shapes (their acceptance is real there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import context_ids, metadata, random_target, write
+from benchmarks.shapes import SMOLLM2_135M
+from benchmarks.trace_gaps import busy_intervals, device_events
+from jaxspec.api import generate
+
+SHAPES = (  # the real model's extra trees: (name, options)
+    ("tree_d4w2b2bs6", {"depth": 4, "width": 2, "branch": 2, "bs": 6}),
+    ("tree_d4w4b2bs8", {"depth": 4, "width": 4, "branch": 2, "bs": 8}),
+    ("tree_d4w1b1bs4", {"depth": 4, "width": 1, "branch": 1, "bs": 4}),
+    ("tree_d3w4b4bs8", {"depth": 3, "width": 4, "branch": 4, "bs": 8}),
+)
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without XLA's numbering (``loop_add_fusion_29`` -> ``loop_add_fusion``)."""
+    return re.sub(r"[._]\d+", "", name)[:60]
+
+
+def traced(model, ids, new, rounds, **kw) -> dict:
+    """Kernels and GPU busy time per round of one ``generate`` call, from a profiler trace."""
+    folder = tempfile.mkdtemp()
+    with jax.profiler.trace(folder):
+        generate(model, [ids], max_new_tokens=new, **kw)
+    kernels = [k for dev in device_events(folder).values() for k in dev["kernels"]]
+    busy = sum(b - a for a, b in busy_intervals(kernels)) / 1e3  # us
+    per = collections.defaultdict(lambda: [0, 0])
+    for _, dur, name in kernels:
+        per[kernel_name(name)][0] += 1
+        per[kernel_name(name)][1] += dur
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:40]
+    return {
+        "kernels_per_round": round(len(kernels) / rounds, 1),
+        "busy_us_per_round": round(busy / rounds, 1),
+        "top": [[n, c, round(t / 1e3 / rounds, 2), round(c / rounds, 2)] for n, (c, t) in top],
+    }
+
+
+def row(model, ids, new, repeats, **kw) -> dict:
+    generate(model, [ids], max_new_tokens=new, **kw)
+    walls, last = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        last = generate(model, [ids], max_new_tokens=new, **kw)
+        walls.append((time.perf_counter() - t0, last.stats["wall_s"]))
+    acc = last.stats["acceptance_length"]
+    rounds = last.stats["new_tokens"] / acc
+    engine = statistics.median(e for _, e in walls)
+    out = {
+        "wall_tok_per_s": round(
+            last.stats["new_tokens"] / statistics.median(w for w, _ in walls), 1
+        ),
+        "acceptance_length": round(acc, 3),
+        "rounds": round(rounds, 1),
+        "engine_ms_per_round": round(1e3 * engine / rounds, 4),
+    }
+    if jax.default_backend() == "gpu":
+        out.update(traced(model, ids, new, rounds, **kw))
+    return out
+
+
+def models(args):
+    if args.random:
+        from jaxspec.model.transformer import new_model
+
+        target = random_target(SMOLLM2_135M, dtype=jnp.bfloat16)
+        shape = dataclasses.replace(SMOLLM2_135M, num_layers=2, intermediate_size=512)
+        draft = new_model(shape, seed=1, dtype=jnp.bfloat16)
+        draft.kernels = target.kernels
+        ids = np.random.RandomState(0).randint(4, SMOLLM2_135M.vocab_size, args.ctx - args.new)
+        return target, draft, ids.tolist(), "random SmolLM2-135M-shape weights (bfloat16)"
+    from jaxspec.io.convert import load
+    from jaxspec.io.default_model import default_checkpoint
+    from jaxspec.io.draft_checkpoint import load_draft
+    from jaxspec.kernels import KernelConfig
+
+    target = load(default_checkpoint(), dtype=jnp.bfloat16)
+    target.kernels = KernelConfig.from_env()
+    ids = context_ids(target, args.ctx, args.new)
+    return target, load_draft(args.draft, target), ids, "SmolLM2-135M-Instruct (bfloat16)"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--random", action="store_true", help="random weights (no GGUF)")
+    ap.add_argument("--draft", default=None, help="the draft folder (without --random)")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not args.random and not args.draft:
+        ap.error("give --draft DIR, or --random")
+    target, draft, ids, what = models(args)
+    todo = [
+        ("autoregressive", {}),
+        ("chain_ngram", {"method": "chain", "draft": "ngram", "gamma": 8}),
+        (
+            "tree_ngram",
+            {"method": "tree", "draft": "ngram", "depth": 8, "width": 1, "branch": 1, "bs": 8},
+        ),  # fmt: skip
+        ("chain_draft", {"method": "chain", "draft": draft, "gamma": 4}),
+        ("tree_draft", {"method": "tree", "draft": draft}),
+    ]
+    if not args.random:
+        todo += [(n, {"method": "tree", "draft": draft, **o}) for n, o in SHAPES]
+    only = set(args.only.split(",")) - {""}
+    payload = {**metadata(), "model": what, "context": args.ctx, "new_tokens": args.new,
+               "rows": {}}  # fmt: skip
+    for name, kw in todo:
+        if only and name not in only:
+            continue
+        r = payload["rows"][name] = row(target, ids, args.new, args.repeats, **kw)
+        print(name, json.dumps({k: v for k, v in r.items() if k != "top"}), flush=True)
+        write("spec_rounds.json", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
