@@ -45,8 +45,9 @@ MAX_T = 64
 # Block slots: the last split takes them in tiles of at most BLOCK_TILE slots (one tile of 128
 # keys is what the kernel was tuned with). A model draft's default tree has 129 nodes (1 + 4
 # expansions x 8 leaves x 4 children), one past a single tile: before the tiles its expansions
-# went to the flash kernel, at 22.7 us a call against this kernel's 4.2 (one H100, SmolLM2-shape
-# draft, 1K of context: benchmarks/results/spec_rounds.json).
+# went to the flash kernel, at 22.7 us a call; in two tiles here 7.0 us (one H100, SmolLM2-shape
+# draft, 1K of context; a tree round 1.59 -> 1.43 ms with the top-k below:
+# benchmarks/results/spec_rounds.json).
 BLOCK_TILE = 128
 MAX_N = 512
 

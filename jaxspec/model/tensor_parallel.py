@@ -267,7 +267,8 @@ def _top_local(logits, k: int):
 
 # Rows longer than this go through ``top_k`` in two stages. XLA's GPU top-k kernel gives a row
 # one thread block: a tree draft's 9 rows of SmolLM2's 49152 log-probs took it 25.7 us a call, 4
-# calls a tree round (one H100, benchmarks/results/spec_rounds.json).
+# calls a tree round; in two stages 8.9 us and a sort of 192 entries (one H100: 105 -> 56 us a
+# round, benchmarks/results/spec_rounds.json).
 TOP_K_CHUNK = 1024
 
 
