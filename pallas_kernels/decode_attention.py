@@ -12,9 +12,10 @@ a KV head form ``M = T * G`` rows, padded to a power of two ``>= 16`` and cut in
 tiles. The grid is ``(row tiles, KH, k_splits, B)``; program ``(i, h, j, b)`` runs an online
 softmax over its prefix range ``[j * split_len, min((j + 1) * split_len, length[b]))`` in
 ``block_k``-slot steps (the trip count is dynamic, so slots past the row's length are never
-read), and the last split also takes the block tile (``n_pad`` slots from ``length[b]``, with
-``block_mask``). Each program writes an unnormalised partial ``(acc, max, sumexp)``; a small jnp
-combine merges the splits by log-sum-exp, normalises and puts the rows back in ``[B,T,H,hd]``.
+read), and the last split also takes the block (``n_pad`` slots from ``length[b]``, in tiles of
+at most ``BLOCK_TILE``, with ``block_mask``). Each program writes an unnormalised partial
+``(acc, max, sumexp)``; a small jnp combine merges the splits by log-sum-exp, normalises and puts
+the rows back in ``[B,T,H,hd]``.
 KV loads past the range are masked (``other=0``), so junk or NaN in unused cache slots never
 reaches the output.
 """
