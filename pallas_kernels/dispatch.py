@@ -5,7 +5,7 @@
 
 - ``"reference"``: the pure-jnp ``attend`` (any backend, any shape);
 - ``"pallas"``: a Pallas kernel compiled for the GPU: the split-K decode kernel
-  (``decode_attention``) for 1 <= T <= 64 queries and block size N <= 512, the flash kernel
+  (``decode_attention``) for 1 <= T <= 64 queries and block size N <= 256, the flash kernel
   (``prefill_attention``: prefill chunks) for wider blocks (raises off GPU or on shapes neither
   takes);
 - ``"interpret"`` (or ``"pallas_interpret"``): the same kernels through the Pallas interpreter

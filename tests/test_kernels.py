@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels.decode_attention import (
     BLOCK_TILE,
+    MAX_N,
     decode_attention,
     decode_attention_partials,
     plan,
@@ -93,13 +94,14 @@ def test_matches_reference(t, g, s, n, lengths, dtype):
 
 @pytest.mark.parametrize(
     "t, n, lengths, dtype",
-    [(9, 129, [150, 3], jnp.bfloat16), (4, 300, [0, 77], jnp.float32)],
-    ids=["draft-tree-129-bf16", "three-tiles-f32"],
+    [(9, 129, [150, 3], jnp.bfloat16), (4, 200, [0, 77], jnp.float32)],
+    ids=["draft-tree-129-bf16", "feature-tree-like-200-f32"],
 )
 def test_blocks_wider_than_a_tile(t, n, lengths, dtype):
     """Blocks of more than ``BLOCK_TILE`` slots (a model draft's tree expansion: 9 queries over
-    its 129-node window) go through the kernel in tiles, every tile's slots seen: each query
-    sees a random third of the block, some of it in every tile."""
+    its 129-node window; a feature draft's default tree has 193) go through the kernel in tiles,
+    every tile's slots seen: each query sees a random third of the block, some of it in every
+    tile. Past ``MAX_N`` the dispatcher takes the flash kernel."""
     poisoned, clean = make_inputs(
         n, b=len(lengths), t=t, kh=2, g=3, s=max(lengths) + n + 5, n=n, lengths=lengths,
         dtype=dtype,
@@ -116,6 +118,8 @@ def test_blocks_wider_than_a_tile(t, n, lengths, dtype):
     assert np.abs(np.asarray(got.astype(jnp.float32)) - np.asarray(cut)).max() > 0.1, (
         "the slots past the first tile changed nothing: the test would not see them dropped"
     )
+    wide = jnp.ones((len(lengths), t, MAX_N + 1), bool)
+    assert "block size" in unsupported_reason(poisoned[0], poisoned[1], poisoned[2], wide)
 
 
 @pytest.mark.parametrize("k_splits, block_k", [(1, 16), (3, 16), (5, 32)])
