@@ -103,21 +103,33 @@ def test_ctrl_c_during_convert_leaves_nothing_and_exits_130(wide, tmp_path, monk
     took = _write_seconds(wide, tmp_path / "timed", monkeypatch)
     for i, (phase, fraction) in enumerate(MOMENTS):
         delay = round(fraction * took, 2)
-        parent = tmp_path / f"run{i}"
-        parent.mkdir()
-        proc = _start_convert(wide, parent / "ckpt")
-        tmp = _wait_for(proc, parent, ".ckpt.tmp-*")
-        if phase == "writing":
-            _wait_for(proc, tmp, "*")  # Orbax has begun
-        time.sleep(delay)
-        assert tmp.exists(), f"{phase} +{delay} s: the convert finished before the signal"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-        where = f"{phase} +{delay} s"
-        assert proc.returncode == 130, f"{where}: exit {proc.returncode}\n{err}"
-        assert "Traceback" not in err, f"{where}:\n{err}"
-        assert err.strip().splitlines()[-1] == "interrupted", f"{where}:\n{err}"
-        assert os.listdir(parent) == [], f"{where}: left {os.listdir(parent)}"
+        for attempt in range(4):
+            # Under load the child's write can be quicker than the timed one here; a convert
+            # that finished before the signal tests nothing, so that moment is tried again
+            # sooner. Every moment must be interrupted once.
+            parent = tmp_path / f"run{i}-{attempt}"
+            parent.mkdir()
+            proc = _start_convert(wide, parent / "ckpt")
+            tmp = _wait_for(proc, parent, ".ckpt.tmp-*")
+            if phase == "writing":
+                _wait_for(proc, tmp, "*")  # Orbax has begun
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+            if proc.returncode in (0, 130) and os.listdir(parent) == ["ckpt"]:
+                # finished (a signal past the last safe point is acted on after the move)
+                delay = round(delay / 2, 3)
+                continue
+            where = f"{phase} +{delay} s"
+            assert proc.returncode == 130, f"{where}: exit {proc.returncode}\n{err}"
+            assert "Traceback" not in err, f"{where}:\n{err}"
+            assert err.strip().splitlines()[-1] == "interrupted", f"{where}:\n{err}"
+            assert os.listdir(parent) == [], f"{where}: left {os.listdir(parent)}"
+            break
+        else:
+            raise AssertionError(
+                f"{phase} at {fraction} of the write: every convert finished first"
+            )
 
 
 def test_stale_temp_folder_of_a_killed_convert_is_removed_by_the_next(wide, small, tmp_path):
