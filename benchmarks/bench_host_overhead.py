@@ -2,7 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--shape smollm2|smollm2-narrow] [--new 128]
         [--reps 20] [--out benchmarks/results/host_overhead.json] [--keep-other-devices]
-        [--no-tune-host]
+        [--no-tune-host] [--long-prompt 4096] [--long-reps 10]
 
 For each method (autoregressive, chain with prompt lookup, tree with a 2-layer draft) one
 prompt of 64 token ids is decoded ``--reps`` times after two warm-up calls (compiles excluded),
@@ -14,6 +14,11 @@ and each call is split in two:
   work plus one dispatch and one transfer;
 - ``outside_ms``: the wall clock of the whole ``generate()`` call minus ``engine_ms``: option
   parsing, prompt encoding and padding, the compile-cache lookup, trimming, stats.
+
+The first token after a long prompt (``--long-prompt`` ids, one new token, autoregressive,
+``--long-reps`` calls) is timed the same way, with the prompt given as a list of ids and as a
+numpy array: the host work that grows with the prompt (its ids checked and packed) is part of
+the latency issue's first-token figure.
 
 Once the model is built the process calls ``jaxspec.tune_host()``, as ``jaxspec bench`` does
 once its model is loaded (``--no-tune-host``: not;
@@ -88,6 +93,8 @@ def main() -> None:
         help="keep --out's rows of other devices (each row names its device and commit): one "
         "file for the CPU and the H200 runs",
     )
+    ap.add_argument("--long-prompt", type=int, default=4096, help="0: no long-prompt rows")
+    ap.add_argument("--long-reps", type=int, default=10)
     ap.add_argument(
         "--no-tune-host",
         action="store_true",
@@ -104,12 +111,17 @@ def main() -> None:
     meta = metadata()
     device = meta["device"]
     rows = []
-    for method, draft, options in METHODS:
+    cases = [(m, d, o, ids, "list", args.new, args.reps) for m, d, o in METHODS]
+    if args.long_prompt:
+        long = np.random.RandomState(1).randint(4, cfg.vocab_size, (1, args.long_prompt))
+        for given, prompt in (("list", long.tolist()), ("array", long)):
+            cases.append(("autoregressive", None, {}, prompt, given, 1, args.long_reps))
+    for method, draft, options, prompt, given, new, reps in cases:
         d = small if draft == "draft" else draft
         for _ in range(2):  # compile, then one warm call
-            one_call(target, ids, method, d, options, args.new)
+            one_call(target, prompt, method, d, options, new)
         walls, engines = zip(
-            *(one_call(target, ids, method, d, options, args.new) for _ in range(args.reps)),
+            *(one_call(target, prompt, method, d, options, new) for _ in range(reps)),
             strict=True,
         )
         outside = [w - e for w, e in zip(walls, engines, strict=True)]
@@ -118,6 +130,9 @@ def main() -> None:
             "commit": meta["commit"],
             "method": method,
             "draft": draft,
+            "prompt_tokens": int(np.asarray(prompt).size),
+            "prompt_as": given,
+            "new_tokens": new,
             "outside_ms": round(statistics.median(outside), 4),
             "outside_ms_p90": round(float(np.percentile(outside, 90)), 4),
             "wall_ms": round(statistics.median(walls), 4),
@@ -144,9 +159,10 @@ def main() -> None:
         path = pathlib.Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'method':>15} {'outside ms':>11} {'engine ms':>10} {'wall ms':>9}")
+    print(f"{'method':>15} {'prompt':>12} {'outside ms':>11} {'engine ms':>10} {'wall ms':>9}")
     for r in rows:
-        line = f"{r['method']:>15} {r['outside_ms']:>11.3f} {r['engine_ms']:>10.2f}"
+        given = f"{r.get('prompt_tokens', 64)} {r.get('prompt_as', 'list')}"
+        line = f"{r['method']:>15} {given:>12} {r['outside_ms']:>11.3f} {r['engine_ms']:>10.2f}"
         print(f"{line} {r['wall_ms']:>9.2f}")
 
 

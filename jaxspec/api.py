@@ -21,7 +21,7 @@ from jaxspec.kernels import KernelConfig
 from jaxspec.measure import tuning
 from jaxspec.model.prefill import pad_prompts
 from jaxspec.model.transformer import Model
-from jaxspec.prompts import check_context, encode_prompts
+from jaxspec.prompts import check_context, prompt_arrays
 from jaxspec.spec.sampling import Sampling
 
 METHODS = tuple(ENGINES)
@@ -119,7 +119,7 @@ def prepare(  # user values are checked here, so their hints stay off the runtim
         raise OptionError(f"kernels must be a jaxspec.KernelConfig, got {type(kernels).__name__}.")
     sampling = sampling_of(temperature, top_p, top_k)
     cfg = target.config
-    ids = encode_prompts(prompts, target.tokenizer, cfg, chat=chat)
+    ids = prompt_arrays(prompts, target.tokenizer, cfg, chat=chat)
     check_context([len(p) for p in ids], int(max_new_tokens), cfg)
     padded, lens = pad_prompts(ids, target.net(kernels).kernels)
     req = base.Request(

@@ -19,19 +19,29 @@ def check_token_ids(tokens, cfg: ModelConfig) -> None:
 
 
 def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) -> list[list[int]]:
-    """Prompts -> a list of token-id lists, checked.
+    """Prompts -> a list of token-id lists, checked (``prompt_arrays``, as Python ints)."""
+    return [a.tolist() for a in prompt_arrays(prompts, tokenizer, cfg, chat=chat)]
+
+
+def prompt_arrays(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) -> list[np.ndarray]:
+    """Prompts -> one int32 array of token ids per prompt, checked.
 
     Takes a string, a list of strings, a flat list of token ids (ONE prompt, as HF's
     ``input_ids`` is), a list of id lists (ragged lengths are fine), or a 1-D / 2-D integer
     array (numpy or jax: one prompt, or one per row). With ``chat`` the tokenizer's chat template
     wraps each string as one user turn. Float ids are refused, never truncated.
+
+    The ids stay in numpy from here to the padded batch (``prefill.pad_prompts`` copies
+    arrays): through Python ints, a 4K-token prompt cost a warm call about 0.5 ms of host time
+    more (a list of ids converted, listed again and copied into the batch;
+    benchmarks/notes/host_overhead.md).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     elif hasattr(prompts, "shape") and hasattr(prompts, "dtype"):  # numpy / jax arrays
         prompts = _array_prompts(prompts)
     elif isinstance(prompts, list | tuple) and prompts and all(_is_id(x) for x in prompts):
-        prompts = [list(prompts)]  # a flat list of ids is one prompt
+        prompts = [prompts]  # a flat list of ids is one prompt
     if not isinstance(prompts, list | tuple) or len(prompts) == 0:
         raise PromptError(
             "no prompts given: pass a string, a list of strings, a list of token ids (one "
@@ -46,13 +56,11 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) 
                 raise PromptError(
                     "this checkpoint has no tokenizer, so prompts must be lists of token ids."
                 )
-            ids = encode_text(tokenizer, p, chat=chat)
-            arr = np.asarray(ids, np.int64)
+            arr = np.asarray(_text_ids(tokenizer, p, chat=chat), np.int64)
         else:
             arr = _id_array(p, i)
-            ids = arr.tolist()  # Python ints, in one call (not an int() per id)
         check_token_ids(arr, cfg)
-        out.append(ids)
+        out.append(arr.astype(np.int32))  # in the vocabulary, so int32 holds it
     return out
 
 
@@ -71,7 +79,7 @@ def _array_prompts(a) -> list:
             f"token ids must be integers, got an array of {arr.dtype}: pass the tokenizer's ids "
             "(e.g. np.asarray(ids, np.int32))."
         )
-    return [arr.tolist()] if arr.ndim == 1 else arr.tolist()
+    return [arr] if arr.ndim == 1 else list(arr)
 
 
 def _id_array(p, i: int) -> np.ndarray:
@@ -89,14 +97,17 @@ def _id_array(p, i: int) -> np.ndarray:
 
 
 def encode_text(tokenizer, text: str, *, chat: bool) -> list[int]:
+    return [int(x) for x in _text_ids(tokenizer, text, chat=chat)]
+
+
+def _text_ids(tokenizer, text: str, *, chat: bool):
+    """The tokenizer's ids of ``text`` as it returns them (a sequence of integers)."""
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(x) for x in ids]
-    return [int(x) for x in tokenizer.encode(text)]
+        return ids["input_ids"] if hasattr(ids, "keys") else ids
+    return tokenizer.encode(text)
 
 
 def check_context(prompt_lens: list[int], max_new_tokens: int, cfg: ModelConfig, extra: int = 0):

@@ -26,6 +26,33 @@ def test_integer_arrays_are_prompts_like_lists():
     assert tokens(np.asarray(IDS[0], np.int64)) == ref[:1]  # 1-D: one prompt
 
 
+def test_every_prompt_form_becomes_the_same_int32_ids():
+    """``prompt_arrays``: lists, tuples, arrays of any integer dtype (rows of a 2-D one, or
+    mixed with lists in a ragged batch) give the same int32 ids, which pad into one batch."""
+    from jaxspec.model.prefill import pad_prompts
+    from jaxspec.prompts import prompt_arrays
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, TARGET.config.vocab_size, n).tolist() for n in (7, 3, 12)]
+    forms = [
+        rows,
+        [tuple(r) for r in rows],
+        [np.asarray(r, np.uint16) for r in rows],
+        [np.asarray(rows[0], np.int64), rows[1], jnp.asarray(rows[2])],
+    ]
+    want, want_lens = pad_prompts(rows, jaxspec.KernelConfig())
+    for form in forms:
+        got = prompt_arrays(form, None, TARGET.config)
+        assert [a.dtype for a in got] == [np.int32] * 3
+        assert [a.tolist() for a in got] == rows
+        ids, lens = pad_prompts(got, jaxspec.KernelConfig())
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(lens, want_lens)
+    square = np.asarray([rows[0][:3], rows[1]], np.int64)
+    assert [a.tolist() for a in prompt_arrays(square, None, TARGET.config)] == square.tolist()
+    assert [a.tolist() for a in prompt_arrays(tuple(rows[1]), None, TARGET.config)] == [rows[1]]
+
+
 def test_a_flat_id_list_is_one_prompt():
     """HF's ``input_ids`` style: [1, 2, 3] is one prompt of three tokens, not three prompts."""
     r = jaxspec.generate(TARGET, IDS[0], max_new_tokens=4)
@@ -42,6 +69,9 @@ BAD_PROMPTS = [
     (["  "], "empty"),
     ([[1, TARGET.config.vocab_size]], "outside the vocabulary"),
     ([[-1, 2]], "outside the vocabulary"),
+    ([[2**40, 2]], "outside the vocabulary"),  # checked before the ids become int32
+    (np.asarray([[2**32 + 5]], np.uint64), "outside the vocabulary"),
+    (np.asarray([[True, False]]), "must be integers"),
     (None, "no prompts"),
     ({"a": 1}, "no prompts"),
     (["no tokenizer here"], "no tokenizer"),

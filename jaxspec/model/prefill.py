@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,12 @@ def fit_chunk(width: int, chunk: int) -> int:
     return c
 
 
-def pad_prompts(prompts: list[list[int]], kernels: KernelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad on the host: ids ``[B, L]`` int32, lengths ``[B]``. L is a multiple of 16 up to
-    one prefill chunk (``kernels.prefill_tokens``), then of the chunk (few distinct shapes, so
-    few compiles)."""
+def pad_prompts(
+    prompts: Sequence[np.ndarray | Sequence[int]], kernels: KernelConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad on the host: ids ``[B, L]`` int32, lengths ``[B]``, from id arrays (copied in
+    one step each) or lists. L is a multiple of 16 up to one prefill chunk
+    (``kernels.prefill_tokens``), then of the chunk (few distinct shapes, so few compiles)."""
     lens = np.array([len(p) for p in prompts], np.int32)
     chunk = kernels.prefill_tokens(len(prompts))
     multiple = 16 if lens.max() <= chunk else chunk
