@@ -1,13 +1,16 @@
-"""Chain acceptance length by gamma on the small-model benchmark's prompt (issue 10).
+"""Acceptance length by gamma (chains) and by tree shape on the small-model benchmark's prompt.
 
 The prompt is ``bench_small_model``'s (``common.context_ids``): the first 20 HumanEval prompts
 concatenated, cut so the cache holds ``ctx`` tokens by the end. Acceptance length is a property
 of the model, draft and text, not of the machine: a float32 CPU run predicts the H200's (bf16
 may part at near-ties). What a longer gamma costs is the GPU's question (``bench_verify.py``).
-The kernels are those of the ``JAXSPEC_*`` variables (``kernels``).
+Trees (``--trees``, each ``DEPTHxWIDTHxBRANCHxBS``) run with the
+model draft only: a prompt-lookup tree is one looked-up path. The kernels are those of the
+``JAXSPEC_*`` variables (``kernels``).
 
     python benchmarks/bench_gamma_sweep.py [--contexts 1024] [--gammas 3,4,6,8] [--new 128]
-        [--draft checkpoints/drafts/smollm2-135m-instruct-draft] [--out gamma_sweep.json]
+        [--trees 4x8x4x8,6x8x4x8,6x8x4x16] [--draft checkpoints/drafts/smollm2-135m-instruct-draft]
+        [--out gamma_sweep.json]
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def main(argv=None):
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--gammas", default="3,4,6,8")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument(
+        "--trees",
+        default="4x8x4x8,4x4x2x8,6x8x4x8,6x8x4x16,8x8x4x16",
+        help="tree shapes DEPTHxWIDTHxBRANCHxBS, comma-separated ('' for none)",
+    )
     ap.add_argument("--draft", default=str(SHIPPED))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -37,23 +45,31 @@ def main(argv=None):
     for ctx in ints(args.contexts):
         ids = context_ids(model, ctx, args.new)
         ar = generate(model, [ids], max_new_tokens=args.new).tokens[0]
-        for name, draft in drafts.items():
-            for g in ints(args.gammas):
-                t0 = time.perf_counter()
-                r = generate(
-                    model, [ids], max_new_tokens=args.new, method="chain", draft=draft, gamma=g
-                )
-                rows.append(
-                    {
-                        "context": ctx,
-                        "draft": name,
-                        "gamma": g,
-                        "acceptance_length": round(r.stats["acceptance_length"], 3),
-                        "verifications": r.stats["target_steps"] - 1,
-                        "same_as_autoregressive": r.tokens[0] == ar,
-                    }
-                )
-                print(rows[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        runs = [
+            (name, draft, f"chain {g}", {"method": "chain", "gamma": g})
+            for name, draft in drafts.items()
+            for g in ints(args.gammas)
+        ]
+        for shape in filter(None, args.trees.split(",")):
+            depth, width, branch, bs = (int(x) for x in shape.split("x"))
+            tree = {"depth": depth, "width": width, "branch": branch, "bs": bs}
+            label = f"tree {depth}x{width}x{branch}x{bs}"
+            runs.append(("distilled", drafts["distilled"], label, {"method": "tree", **tree}))
+        for name, draft, proposal, options in runs:
+            t0 = time.perf_counter()
+            r = generate(model, [ids], max_new_tokens=args.new, draft=draft, **options)
+            rows.append(
+                {
+                    "context": ctx,
+                    "draft": name,
+                    "proposal": proposal,
+                    **{k: v for k, v in options.items() if k != "method"},
+                    "acceptance_length": round(r.stats["acceptance_length"], 3),
+                    "verifications": r.stats["target_steps"] - 1,
+                    "same_as_autoregressive": r.tokens[0] == ar,
+                }
+            )
+            print(rows[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
     payload = {
         **metadata(),
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
