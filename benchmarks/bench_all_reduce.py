@@ -18,15 +18,20 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from benchmarks.common import metadata
-from jaxspec.timing import median_ms
-from pallas_kernels import all_reduce as AR
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata  # noqa: E402
+from jaxspec.timing import median_ms  # noqa: E402
+from pallas_kernels import all_reduce as AR  # noqa: E402
 
 AXIS = "tp"
 # [rows, hidden]: a batch-1 decode step of Llama-3-8B (1 row, or 8 padded rows) and of 70B

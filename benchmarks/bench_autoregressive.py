@@ -8,16 +8,22 @@ the ``JAXSPEC_*`` variables (``kernels``).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.common import context_ids, default_dtype, default_target, ints, metadata, write
-from jaxspec.api import generate
-from jaxspec.io.default_model import default_gguf_path
-from jaxspec.model.quantized import is_quantized_model
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import context_ids, default_dtype, default_target, ints, metadata, write  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
+from jaxspec.io.default_model import default_gguf_path  # noqa: E402
+from jaxspec.model.quantized import is_quantized_model  # noqa: E402
 
 PROMPT = "Write a Python function that checks whether a number is prime."
 

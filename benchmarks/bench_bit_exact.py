@@ -28,20 +28,25 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
-import jaxspec
-from benchmarks.common import humaneval_prompts, metadata, write
-from benchmarks.shapes import LLAMA32_1B, SMOKE
-from jaxspec.io.convert import load
-from jaxspec.io.default_model import default_checkpoint
-from jaxspec.io.draft_checkpoint import SHIPPED, SHIPPED_FEATURE, load_draft
-from jaxspec.model.feature_head import random_head
-from jaxspec.model.prefill import pad_prompts
-from jaxspec.model.transformer import truncate
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import jaxspec  # noqa: E402
+from benchmarks.common import humaneval_prompts, metadata, write  # noqa: E402
+from benchmarks.shapes import LLAMA32_1B, SMOKE  # noqa: E402
+from jaxspec.io.convert import load  # noqa: E402
+from jaxspec.io.default_model import default_checkpoint  # noqa: E402
+from jaxspec.io.draft_checkpoint import SHIPPED, SHIPPED_FEATURE, load_draft  # noqa: E402
+from jaxspec.model.feature_head import random_head  # noqa: E402
+from jaxspec.model.prefill import pad_prompts  # noqa: E402
+from jaxspec.model.transformer import truncate  # noqa: E402
 
 LENGTHS = (24, 40, 57, 80, 96, 120, 150, 180, 220, 260, 300, 350, 400, 460, 520, 600)
 RUNS = (  # method, draft kind, options

@@ -35,22 +35,27 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import metadata
-from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M
-from jaxspec.config import ModelConfig
-from jaxspec.kernels import KernelConfig
-from jaxspec.model import quantized as Q
-from jaxspec.model import sharding, tensor_parallel
-from jaxspec.model.kv_cache import KVCache, causal_block, init_cache
-from jaxspec.model.transformer import apply, new_model, with_params
-from jaxspec.timing import median_ms
-from pallas_kernels import quant
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata  # noqa: E402
+from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOLLM2_135M  # noqa: E402
+from jaxspec.config import ModelConfig  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.model import quantized as Q  # noqa: E402
+from jaxspec.model import sharding, tensor_parallel  # noqa: E402
+from jaxspec.model.kv_cache import KVCache, causal_block, init_cache  # noqa: E402
+from jaxspec.model.transformer import apply, new_model, with_params  # noqa: E402
+from jaxspec.timing import median_ms  # noqa: E402
+from pallas_kernels import quant  # noqa: E402
 
 DUMP_HLO = os.environ.get("JAXSPEC_DUMP_HLO", "")  # a folder: write each case's optimized HLO
 SHAPES = {"8b": LLAMA3_8B, "1b": LLAMA32_1B, "smol": SMOLLM2_135M, "smoke": SMOKE}

@@ -16,14 +16,20 @@ model draft only: a prompt-lookup tree is one looked-up path. The kernels are th
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import context_ids, default_target, ints, metadata, write
-from jaxspec.api import generate
-from jaxspec.io.draft_checkpoint import SHIPPED, load_draft
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import context_ids, default_target, ints, metadata, write  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
+from jaxspec.io.draft_checkpoint import SHIPPED, load_draft  # noqa: E402
 
 
 def main(argv=None):

@@ -8,9 +8,15 @@ with the static cache, for comparison with ``bench_decode_gpu.py`` on the same G
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
 
-from benchmarks.common import metadata, write
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata, write  # noqa: E402
 
 SHAPES = {
     "8b": dict(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 import time
 
@@ -49,7 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (  # noqa: E402
     default_dtype,
     default_target,
     fixed_call,
@@ -60,8 +65,8 @@ from benchmarks.common import (
     unit_ms,
     write,
 )
-from jaxspec.engines import base, magicdec, programs
-from jaxspec.measure import cost_model
+from jaxspec.engines import base, magicdec, programs  # noqa: E402
+from jaxspec.measure import cost_model  # noqa: E402
 
 
 def parse(argv=None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 import time
 
@@ -36,7 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (  # noqa: E402
     fixed_call,
     initial,
     ints,
@@ -46,9 +51,9 @@ from benchmarks.common import (
     unit_ms,
     write,
 )
-from benchmarks.shapes import LLAMA31_8B
-from benchmarks.shapes import SMOKE as SMOKE_SHAPE
-from jaxspec.measure import cost_model
+from benchmarks.shapes import LLAMA31_8B  # noqa: E402
+from benchmarks.shapes import SMOKE as SMOKE_SHAPE  # noqa: E402
+from jaxspec.measure import cost_model  # noqa: E402
 
 SMOKE = dataclasses.replace(SMOKE_SHAPE, vocab_size=256, head_dim=64, max_position_embeddings=8192)
 H200_BW, H200_FLOPS = 4.8e12, 989e12

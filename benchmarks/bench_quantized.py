@@ -61,15 +61,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_decode_gpu import SHAPES, Case, quantized_twin, run_case
-from benchmarks.common import metadata
-from jaxspec.api import generate
-from jaxspec.io.convert import load
-from jaxspec.io.default_model import default_checkpoint
-from jaxspec.kernels import KernelConfig
-from jaxspec.model.transformer import new_model
-from jaxspec.timing import loop_ms, repeat
-from pallas_kernels import quant, quant_linear, quant_wgmma
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_decode_gpu import SHAPES, Case, quantized_twin, run_case  # noqa: E402
+from benchmarks.common import metadata  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
+from jaxspec.io.convert import load  # noqa: E402
+from jaxspec.io.default_model import default_checkpoint  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.model.transformer import new_model  # noqa: E402
+from jaxspec.timing import loop_ms, repeat  # noqa: E402
+from pallas_kernels import quant, quant_linear, quant_wgmma  # noqa: E402
 
 SECTIONS = ("check", "sweep", "steps", "real")
 # (BN, BK, K splits, warps, stages), K splits by quant_linear.plan: the two H200 sweeps of the

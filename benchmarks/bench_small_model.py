@@ -34,6 +34,7 @@ import json
 import pathlib
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -41,13 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_host_overhead import SMOLLM2
-from benchmarks.common import context_ids, metadata, random_target, write
-from jaxspec.api import generate, stream
-from jaxspec.io.convert import load
-from jaxspec.io.default_model import default_checkpoint, default_gguf_path
-from jaxspec.io.draft_checkpoint import load_draft
-from jaxspec.kernels import KernelConfig
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_host_overhead import SMOLLM2  # noqa: E402
+from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
+from jaxspec.api import generate, stream  # noqa: E402
+from jaxspec.io.convert import load  # noqa: E402
+from jaxspec.io.default_model import default_checkpoint, default_gguf_path  # noqa: E402
+from jaxspec.io.draft_checkpoint import load_draft  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
 
 
 def timed(model, ids, new, repeats, **kw) -> dict:

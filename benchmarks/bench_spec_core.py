@@ -9,14 +9,20 @@ Writes benchmarks/results/spec_core[_gpu].json (``--set e2e``: spec_e2e[_gpu].js
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import default_target, humaneval_prompts, metadata, write
-from jaxspec.api import generate
-from jaxspec.io.draft_checkpoint import load_draft
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import default_target, humaneval_prompts, metadata, write  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
+from jaxspec.io.draft_checkpoint import load_draft  # noqa: E402
 
 # "first-N-layers": the target's first N layers with its final norm and head
 # (jaxspec.model.transformer. truncate): a separate small draft model that shares the tokenizer,

@@ -21,16 +21,22 @@ of the run. It shows which of verify, grow, re-root/snapshot and the handoffs se
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import metadata, random_target, write
-from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
-from jaxspec.api import generate
-from jaxspec.measure import split as profiler
-from jaxspec.model.transformer import with_params
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata, random_target, write  # noqa: E402
+from benchmarks.shapes import LLAMA3_8B, LLAMA32_1B, SMOKE, SMOKE_DRAFT  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
+from jaxspec.measure import split as profiler  # noqa: E402
+from jaxspec.model.transformer import with_params  # noqa: E402
 
 
 def device_put_blocks(d0, d1) -> dict:

@@ -22,18 +22,23 @@ import dataclasses
 import functools
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType
 
-from benchmarks.common import metadata
-from benchmarks.shapes import LLAMA3_8B, LLAMA3_70B, LLAMA32_1B, SMOKE, SMOKE_DRAFT
-from jaxspec.kernels import KernelConfig
-from jaxspec.measure import split
-from jaxspec.model import sharding
-from jaxspec.model.transformer import Model, abstract_model, param_shapes
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata  # noqa: E402
+from benchmarks.shapes import LLAMA3_8B, LLAMA3_70B, LLAMA32_1B, SMOKE, SMOKE_DRAFT  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.measure import split  # noqa: E402
+from jaxspec.model import sharding  # noqa: E402
+from jaxspec.model.transformer import Model, abstract_model, param_shapes  # noqa: E402
 
 SHAPES = {"70b": LLAMA3_70B, "8b": LLAMA3_8B, "1b": LLAMA32_1B, "smoke": SMOKE}
 SWIFTSPEC_TOK_S = 348  # Llama3-70B on 8 Hopper GPUs (SwiftSpec, arXiv 2506.11309)

@@ -22,16 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxspec
-from benchmarks.shapes import LLAMA32_1B, SMOKE, SMOLLM2_135M
-from jaxspec.measure import units
-from jaxspec.model.transformer import truncate
-from jaxspec.provenance import metadata
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import jaxspec  # noqa: E402
+from benchmarks.shapes import LLAMA32_1B, SMOKE, SMOLLM2_135M  # noqa: E402
+from jaxspec.measure import units  # noqa: E402
+from jaxspec.model.transformer import truncate  # noqa: E402
+from jaxspec.provenance import metadata  # noqa: E402
 
 SHAPES = {"smol": SMOLLM2_135M, "1b": LLAMA32_1B, "smoke": SMOKE}
 

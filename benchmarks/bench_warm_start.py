@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import re
 import statistics
 import subprocess
@@ -22,7 +23,11 @@ import tempfile
 import threading
 import time
 
-from benchmarks.common import metadata, write
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import metadata, write  # noqa: E402
 
 PROMPT = "Say hi."
 GENERATE = ["generate", PROMPT, "--max-new-tokens", "12"]

@@ -24,17 +24,23 @@ import argparse
 import dataclasses
 import itertools
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_decode_gpu import SHAPES
-from benchmarks.common import default_dtype, ints, metadata, random_target
-from jaxspec.engines import programs
-from jaxspec.kernels import KernelConfig
-from jaxspec.model.kv_cache import init_cache
-from jaxspec.model.prefill import prefill
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_decode_gpu import SHAPES  # noqa: E402
+from benchmarks.common import default_dtype, ints, metadata, random_target  # noqa: E402
+from jaxspec.engines import programs  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.model.kv_cache import init_cache  # noqa: E402
+from jaxspec.model.prefill import prefill  # noqa: E402
 
 
 def by_kind(exe, args) -> dict:

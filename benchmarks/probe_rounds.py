@@ -25,8 +25,10 @@ import argparse
 import collections
 import dataclasses
 import json
+import pathlib
 import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,10 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import context_ids, metadata, random_target, write
-from benchmarks.shapes import SMOLLM2_135M
-from benchmarks.trace_gaps import busy_intervals, device_events
-from jaxspec.api import generate
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
+from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
+from benchmarks.trace_gaps import busy_intervals, device_events  # noqa: E402
+from jaxspec.api import generate  # noqa: E402
 
 SHAPES = (  # the real model's extra trees: (name, options)
     ("tree_d4w2b2bs6", {"depth": 4, "width": 2, "branch": 2, "bs": 6}),

@@ -18,17 +18,22 @@ import glob
 import json
 import os
 import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_decode_gpu import kernel_count, make_loop
-from benchmarks.common import metadata
-from benchmarks.shapes import SMOLLM2_135M
-from jaxspec.kernels import KernelConfig
-from jaxspec.model.kv_cache import KVCache, init_cache
-from jaxspec.model.transformer import new_model
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_decode_gpu import kernel_count, make_loop  # noqa: E402
+from benchmarks.common import metadata  # noqa: E402
+from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
+from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.model.kv_cache import KVCache, init_cache  # noqa: E402
+from jaxspec.model.transformer import new_model  # noqa: E402
 
 
 def gpu_events(trace_dir: str):
