@@ -32,9 +32,9 @@ def prompt_arrays(prompts, tokenizer, cfg: ModelConfig, *, chat: bool = False) -
     wraps each string as one user turn. Float ids are refused, never truncated.
 
     The ids stay in numpy from here to the padded batch (``prefill.pad_prompts`` copies
-    arrays): through Python ints, a 4K-token prompt cost a warm call about 0.5 ms of host time
-    more (a list of ids converted, listed again and copied into the batch;
-    benchmarks/notes/host_overhead.md).
+    arrays): through Python ints (a list of ids converted, listed again and copied into the
+    batch) a warm call with a 4K-token prompt spent 0.2-0.25 ms more of host time on the 2-core
+    CPU (benchmarks/notes/host_overhead.md).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
