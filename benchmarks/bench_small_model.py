@@ -12,19 +12,20 @@ after a warm-up call (the compile), and two rates are kept, medians over the cal
 - ``*_engine_tok_per_s``: new tokens over the engine's own ``stats.wall_s`` (dispatch to result).
 
 Top-level keys (1K context, B=1, ``--new`` tokens): ``ar_wall_tok_per_s_b1``,
-``best_spec_wall_tok_per_s_b1`` (the best speculative method and draft), ``peer_tok_per_s_b1``
-(the PyTorch CUDA-graph peer on the same weights and prompt, run in the same process's machine
-by ``--peer``: its whole-call tokens/s), ``tree_over_chain_same_draft`` (tree over chain wall
-tokens/s with the shipped draft), ``first_token_ms_ctx4096`` (the wall of a one-token call after
-the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoregressive decoding
-(bf16: a parting must be a near-tie, its top-2 logit gap reported) and ``float32_check`` runs
-the model in float32 with IEEE dots, where every method must give exactly the autoregressive
-tokens. ``streaming`` (unless ``--no-stream``): the same 1K calls through ``jaxspec.stream``,
-every piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over stream's,
-less one, and ``first_piece_ms`` the wait for the first piece. ``--random-weights`` measures
-only that section, on random SmolLM2-135M-shape bf16 weights (no GGUF: one GPU call; what a
-segment boundary costs does not depend on the weights), and ``--merge`` puts it into a full
-run's file with its own commit and command (``streaming_run``).
+``best_spec_wall_tok_per_s_b1`` (the best speculative method and draft), ``peer_tok_per_s_b1`` (the
+PyTorch CUDA-graph peer on the same weights and prompt, run in the same process's machine by
+``--peer``: its whole-call tokens/s), ``tree_over_chain_same_draft`` (tree over chain wall tokens/s
+with the shipped draft; ``--trees`` adds other shapes' rows and
+``tree_shapes_over_chain_same_draft``), ``first_token_ms_ctx4096`` (the wall of a one-token call
+after the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoregressive
+decoding (bf16: a parting must be a near-tie, its top-2 logit gap reported) and ``float32_check``
+runs the model in float32 with IEEE dots, where every method must give exactly the autoregressive
+tokens. ``streaming`` (unless ``--no-stream``): the same 1K calls through ``jaxspec.stream``, every
+piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over stream's, less one,
+and ``first_piece_ms`` the wait for the first piece. ``--random-weights`` measures only that
+section, on random SmolLM2-135M-shape bf16 weights (no GGUF: one GPU call; what a segment boundary
+costs does not depend on the weights), and ``--merge`` puts it into a full run's file with its own
+commit and command (``streaming_run``).
 """
 
 from __future__ import annotations
@@ -143,11 +144,22 @@ RUNS = (  # (name, method, draft key, options)
 )
 
 
+def tree_runs(spec: str) -> tuple:
+    """``--trees``' shapes (``DEPTHxWIDTHxBRANCHxBS``, comma-separated) as ``RUNS`` entries with
+    the model draft, named ``tree_draft_<shape>``."""
+    out = []
+    for shape in (s for s in spec.split(",") if s):
+        depth, width, branch, bs = (int(v) for v in shape.split("x"))
+        opts = {"depth": depth, "width": width, "branch": branch, "bs": bs}
+        out.append((f"tree_draft_{shape}", "tree", "draft", opts))
+    return tuple(out)
+
+
 def run_context(model, drafts, ctx, args) -> dict:
     ids = context_ids(model, ctx, args.new)
     rows = {"autoregressive": timed(model, ids, args.new, args.repeats)}
     ref = rows["autoregressive"]["tokens"]
-    for name, method, key, opts in RUNS:
+    for name, method, key, opts in RUNS + tree_runs(args.trees):
         if key in drafts:
             r = timed(model, ids, args.new, args.repeats, method=method, draft=drafts[key], **opts)
             r["parting"] = parting(model, ids, ref, r.pop("tokens"))
@@ -199,8 +211,17 @@ def summarise(payload: dict, ctx: int) -> None:
     payload["best_spec"] = max(spec, key=spec.get)
     payload["best_spec_wall_tok_per_s_b1"] = spec[payload["best_spec"]]
     if "tree_draft" in first and "chain_draft" in first:
-        ratio = first["tree_draft"]["wall_tok_per_s"] / first["chain_draft"]["wall_tok_per_s"]
-        payload["tree_over_chain_same_draft"] = round(ratio, 3)
+        chain = first["chain_draft"]["wall_tok_per_s"]
+        payload["tree_over_chain_same_draft"] = round(
+            first["tree_draft"]["wall_tok_per_s"] / chain, 3
+        )
+        shapes = {
+            k: v["wall_tok_per_s"] / chain for k, v in first.items() if k.startswith("tree_draft_")
+        }
+        if shapes:  # --trees: each shape's tokens/s over the chain's, same draft
+            payload["tree_shapes_over_chain_same_draft"] = {
+                k: round(v, 3) for k, v in shapes.items()
+            }
 
 
 def merged(first: str, more: str) -> dict:
@@ -227,6 +248,12 @@ def main():
     ap.add_argument("--no-f32", action="store_true", help="skip the float32 exactness check")
     ap.add_argument("--no-stream", action="store_true", help="skip the streaming overhead rows")
     ap.add_argument("--stream-steps", default="32", help="segment lengths to stream at")
+    ap.add_argument(
+        "--trees",
+        default="",
+        help="more tree shapes with the draft, DEPTHxWIDTHxBRANCHxBS comma-separated "
+        "(rows tree_draft_<shape>; the default shape is the tree_draft row)",
+    )
     ap.add_argument(
         "--random-weights",
         action="store_true",
