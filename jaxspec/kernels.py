@@ -42,7 +42,7 @@ from pallas_kernels import fused_linear
 FUSED = ("auto", "off", "pallas", "interpret")
 ATTENTION = ("auto", "reference", "pallas", "interpret")
 PREFILL_ATTENTION = ("auto", "off", "cudnn", "xla")
-PADDING = ("auto", "stream", "gemm", "block")
+PADDING = ("auto", "stream", "gemm")
 QUANT = ("auto", "xla", "pallas", "interpret")
 TENSOR_PARALLEL = ("auto", "gspmd", "shard_map")
 ALL_REDUCE = ("auto", "psum", "oneshot", "oneshot_reference", "interpret")
@@ -157,10 +157,7 @@ class KernelConfig:
     quant_tile:      (BN, BK, K splits, warps, stages) of the Triton kernel (None entries: its own
                      defaults; splits None: enough programs to fill the GPU).
     gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
-    row_padding:     where: "stream" (the residual stream, once), "gemm" (around each GEMM) or
-                     "block" (a step of several tokens a row gets padding tokens that see
-                     nothing and are written nowhere, so no kernel slices or pads rows around
-                     its attention; one-token steps pad the stream).
+    row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.
     tensor_parallel: how a program over sharded weights runs: "gspmd" or "shard_map" (above).

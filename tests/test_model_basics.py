@@ -64,15 +64,15 @@ def test_truncate_keeps_the_first_layers_and_the_head():
         truncate(model, 0)
 
 
-@pytest.mark.parametrize("where", ["gemm", "stream", "block"])
+@pytest.mark.parametrize("where", ["gemm", "stream"])
 def test_min_gemm_rows_padding_keeps_results(where):
-    """The GEMM row padding settings (KernelConfig.gemm_rows, .row_padding: each matmul's rows,
-    the whole residual stream, or padding tokens in a block of several) change kernels, not
-    results: set on the model or passed to one call."""
+    """The GEMM row padding settings (KernelConfig.gemm_rows, .row_padding: each matmul's rows
+    or the whole residual stream) change kernels, not results: set on the model or passed to
+    one call."""
     import jaxspec.model.transformer as jm
     from jaxspec.api import generate
     from jaxspec.kernels import KernelConfig
-    from jaxspec.model.layers import block_tokens, stream_rows
+    from jaxspec.model.layers import stream_rows
     from tests import tiny
 
     m = tiny.model(3)
@@ -81,12 +81,8 @@ def test_min_gemm_rows_padding_keeps_results(where):
     plain = generate(m, ps, max_new_tokens=12).tokens
     kernels = KernelConfig(gemm_rows=8, row_padding=where)
     resolved = kernels.resolve(m.config)
-    assert stream_rows(1, resolved) == (8 if where in ("stream", "block") else None)
+    assert stream_rows(1, resolved) == (8 if where == "stream" else None)
     assert stream_rows(9, resolved) is None
-    padded_tokens = {"block": [1, 8, 4, 3, 9]}.get(where, [1, 5, 3, 2, 9])
-    assert [block_tokens(b, t, resolved) for b, t in ((4, 1), (1, 5), (2, 3), (3, 2), (1, 9))] == (
-        padded_tokens
-    )
     assert stream_rows(1, m.net().kernels) is None  # the CPU default pads nothing
     padded = jm.with_params(m, m.params, kernels=kernels)
     assert padded.net().kernels == resolved and padded.net() != m.net()
@@ -141,51 +137,3 @@ def test_each_module_imports_first(module):
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-
-
-def test_block_padding_keeps_tree_blocks_and_features():
-    """``row_padding="block"`` on blocks that are not causal chains: a tree verify (an appended
-    block with a tree mask) and a draft's tree expansion (queries over a window of earlier
-    block slots, not appended), two rows of three tokens padded to four. Logits, the features
-    a feature draft reads and every cache slot equal the unpadded step's (float32): the padding
-    tokens change no real token's result and are written nowhere."""
-    from jaxspec.kernels import KernelConfig
-    from jaxspec.model.kv_cache import Block, padded_block
-
-    model = new_model(CFG, seed=5)
-    rng = np.random.RandomState(5)
-    prefix = jnp.asarray(rng.randint(0, CFG.vocab_size, (2, 6)), jnp.int32)
-    tokens = jnp.asarray(rng.randint(0, CFG.vocab_size, (2, 3)), jnp.int32)
-    six = jnp.full((2,), 6, jnp.int32)
-    tree = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # a root and two children
-    i = jnp.arange(3, dtype=jnp.int32)[None, :]
-    depth = jnp.asarray([[0, 1, 1]])
-    verify = Block(six[:, None] + depth, six[:, None] + i,
-                   jnp.broadcast_to(tree, (2, 3, 3)), appended=True)  # fmt: skip
-    window = jnp.zeros((2, 3, 5), bool).at[:, :, 0].set(True).at[:, :, 2:].set(tree)
-    expand = Block(six[:, None] + 2 + depth, six[:, None] + 2 + i, window)  # slots 8-10 of 6-10
-
-    def run(kernels, block):
-        net = model.net(kernels)
-        cache = init_cache(CFG, 2, 16)
-        fwd = jax.jit(lambda p, t, c, b: apply(net, p, t, c, b, features=(0, -1)))
-        _, cache, _ = fwd(model.flat, prefix, cache, causal_block(cache.length, cache.length,
-                                                                  six, 6))  # fmt: skip
-        cache.length = six
-        logits, cache, feats = fwd(model.flat, tokens, cache, block)
-        return [np.asarray(x) for x in (logits, feats, *cache.k, *cache.v)]
-
-    padding = KernelConfig(gemm_rows=8, row_padding="block")
-    for block in (verify, expand):
-        padded = padded_block(block, 4)
-        assert padded.block_mask.shape == ((2, 4, 4) if block.appended else (2, 4, 5))
-        assert (
-            not padded.block_mask[:, 3].any()
-            and not padded.block_mask[..., 3:4].any()
-            or (not block.appended)
-        )
-        assert (np.asarray(padded.slots[:, 3]) >= 16).all()  # written nowhere
-        plain, got = run(KernelConfig(), block), run(padding, block)
-        assert got[0].shape == (2, 3, CFG.vocab_size) and got[1].shape == (2, 3, 2 * 32)
-        for a, b in zip(got, plain, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -219,13 +219,12 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
     assert 1 in calls and max(calls) > 1  # decode steps and verifies took it
 
 
-@pytest.mark.parametrize("padding", ["gemm", "stream", "block"])
+@pytest.mark.parametrize("padding", ["gemm", "stream"])
 def test_model_logits_with_the_fused_kernel(monkeypatch, padding):
     """The tokens of tiny random models barely depend on attention, so the same steps are also
     compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify.
     With the residual stream padded to 8 rows too (the GPU's setting), where the kernel takes
-    the real rows of the padded projections, or the verify block padded with tokens to 8 rows
-    ("block": the kernel takes 4 tokens a row, the padding ones written nowhere)."""
+    the real rows of the padded projections."""
     import jaxspec.model.transformer as model_module
     from jaxspec.kernels import KernelConfig
     from jaxspec.model.kv_cache import init_cache

@@ -45,23 +45,18 @@ if [ "${1:-}" = rounds ]; then
   exit
 fi
 if [ "${1:-}" = verify ]; then
-  # `bash benchmarks/gpu/small_step.sh verify` (~3 min): where a verify block's time goes, the
-  # same loop with 1, 3, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
-  # 1K, kernel by kernel, under the defaults; the 3- and 5-token steps (fewer than the GEMMs' 8
-  # rows) also with each row padding (KernelConfig.row_padding: padded rows on the residual
-  # stream, sliced and re-padded around the attention, or padding tokens in the block).
+  # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
+  # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
+  # 1K, kernel by kernel: under the defaults (the split-K projection kernels for one-row steps
+  # only: KernelConfig.linear_rows 1) and with those kernels for up to 16 rows (linear_rows 16).
   # Writes $OUT/verify_probe.json (results/verify_probe.json).
-  step() {  # LABEL TOKENS [VAR=VALUE...]
-    local label=$1 t=$2
-    shift 2
-    bench verify_probe 150 env "$@" python3 benchmarks/probe_small.py --label "$label" \
-      --tokens "$t" --context 1024 --steps 32 --out "$OUT" --file verify_probe.json
-  }
-  step defaults_t1_c1024 1
-  for t in 3 5; do
-    for pad in stream block; do step "pad_${pad}_t${t}_c1024" "$t" JAXSPEC_ROW_PADDING=$pad; done
+  for t in 1 5 16; do
+    for rows in 1 16; do
+      bench verify_probe 150 env JAXSPEC_LINEAR_ROWS=$rows python3 benchmarks/probe_small.py \
+        --label "linear_rows${rows}_t${t}_c1024" --tokens "$t" --context 1024 --steps 32 \
+        --out "$OUT" --file verify_probe.json
+    done
   done
-  step defaults_t16_c1024 16
   exit
 fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)

@@ -97,23 +97,6 @@ def causal_block(
     )  # fmt: skip
 
 
-def padded_block(block: Block, t: int) -> Block:
-    """``block`` with padding tokens after its own up to ``t`` a row: they see no block slot,
-    no token sees them (an appended block's new columns are theirs), their K/V are written
-    nowhere, and their positions repeat the last token's. The real tokens' results do not
-    change: a kernel's row layout does (``KernelConfig.row_padding="block"``)."""
-    pad = t - block.positions.shape[1]
-    if pad <= 0:
-        return block
-    cols = pad if block.appended else 0
-    return dataclasses.replace(
-        block,
-        positions=jnp.pad(block.positions, ((0, 0), (0, pad)), mode="edge"),
-        slots=jnp.pad(block.slots, ((0, 0), (0, pad)), constant_values=NO_SLOT),
-        block_mask=jnp.pad(block.block_mask, ((0, 0), (0, pad), (0, cols))),
-    )
-
-
 def move(
     cache: KVCache,
     src: Int[Array, "b k"],

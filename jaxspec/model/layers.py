@@ -36,15 +36,6 @@ def stream_rows(n: int, kernels: KernelConfig) -> int | None:
     return want
 
 
-def block_tokens(b: int, t: int, kernels: KernelConfig) -> int:
-    """Tokens a row of a ``b x t`` step computes: ``t``, or under ``row_padding="block"`` a
-    step of several tokens a row and fewer than ``gemm_rows`` rows padded with tokens to at
-    least that many rows (``kv_cache.padded_block``)."""
-    if kernels.row_padding != "block" or t < 2 or b * t >= kernels.gemm_rows:
-        return t
-    return -(-kernels.gemm_rows // b)
-
-
 def init_param(rngs: nnx.Rngs | None, shape, dtype, scale=0.02):
     """A random parameter; without ``rngs`` only its shape and dtype (an abstract model)."""
     if rngs is None:

@@ -28,12 +28,11 @@ from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model import tensor_parallel
 from jaxspec.model.attention import Attention
-from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache, padded_block
+from jaxspec.model.kv_cache import Block, KVCache, causal_block, init_cache
 from jaxspec.model.layers import (
     MLP,
     Linear,
     RMSNorm,
-    block_tokens,
     embed_rows,
     init_param,
     mode_of,
@@ -154,11 +153,7 @@ class Transformer(nnx.Module):
         ``features`` (see ``apply``) also the hidden states they name at every block position.
         ``parallel``: one device's part of the explicit tensor-parallel step (its vocabulary
         slice of the embedding and of the logits, its heads)."""
-        b, real = tokens.shape
-        t = block_tokens(b, real, kernels)
-        if t != real:  # padding tokens instead of padded rows (KernelConfig.row_padding)
-            tokens = jnp.pad(tokens, ((0, 0), (0, t - real)))
-            block = padded_block(block, t)
+        b, t = tokens.shape
         table = weight_of(self.embed_tokens)
         x = embed_rows(table, tokens) if parallel is None else parallel.embed(table, tokens)
         mode = self.layers[0].fused_mode(x, kernels)  # the split-K kernels take this step
@@ -186,12 +181,12 @@ class Transformer(nnx.Module):
                 vs.append(vc)
                 if features is not None and i in features:
                     taps[i] = x
-        x = tokens_of(x, b, t, -1)[:, :real]
+        x = tokens_of(x, b, t, -1)
         cache = KVCache(k=ks, v=vs, length=cache.length)
         logits = self._logits(x, select, kernels)
         if features is None:
             return logits, cache
-        taps = {i: tokens_of(y, b, t, -1)[:, :real] for i, y in taps.items()}
+        taps = {i: tokens_of(y, b, t, -1) for i, y in taps.items()}
         taps[FINAL] = self.norm(x, kernels)  # what the LM head reads, at every position
         return logits, cache, jnp.concatenate([taps[i] for i in features], axis=-1)
 
