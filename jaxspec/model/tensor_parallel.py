@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from jaxspec import ranking
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
 from jaxspec.model.kv_cache import Block, KVCache
@@ -268,7 +269,8 @@ def _top_local(logits, k: int):
 # Rows longer than this go through ``top_k`` in two stages. XLA's GPU top-k kernel gives a row
 # one thread block: a tree draft's 9 rows of SmolLM2's 49152 log-probs took it 25.7 us a call, 4
 # calls a tree round; in two stages 8.9 us and a sort of 192 entries (one H100: 105 -> 56 us a
-# round, benchmarks/results/spec_rounds.json).
+# round, benchmarks/results/spec_rounds.json). The second stage counts ranks (``ranking``) where
+# its row is short enough, instead of a sort kernel.
 TOP_K_CHUNK = 1024
 
 
@@ -286,7 +288,8 @@ def top_k(x: Float[Array, "*b v"], k: int) -> tuple[Float[Array, "*b k"], Int[Ar
     xs = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
     val, idx = lax.top_k(xs.reshape(*x.shape[:-1], chunks, TOP_K_CHUNK), k)
     idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * TOP_K_CHUNK)[:, None]
-    best, at = lax.top_k(val.reshape(*x.shape[:-1], chunks * k), k)
+    best_k = ranking.top_k if chunks * k <= ranking.MAX_COUNTED else lax.top_k
+    best, at = best_k(val.reshape(*x.shape[:-1], chunks * k), k)
     return best, jnp.take_along_axis(idx.reshape(*x.shape[:-1], chunks * k), at, axis=-1)
 
 

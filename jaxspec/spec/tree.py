@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxspec import ranking
 from jaxspec.model.kv_cache import NO_SLOT, Block
 from jaxspec.pytree import pytree_dataclass
 
@@ -193,7 +194,8 @@ def best_leaves(tree: Tree, w: int, expanded: Bool[Array, "b n"]) -> Int[Array, 
     cand = tree.valid & ~expanded
     key = jnp.where(cand, tree.score, -jnp.inf)
     kk = min(w, n)
-    _, idx = jax.lax.top_k(key, kk)  # stable: equal scores keep id order
+    top_k = ranking.top_k if n <= ranking.MAX_COUNTED else jax.lax.top_k
+    _, idx = top_k(key, kk)  # stable: equal scores keep id order
     idx = jnp.where(jnp.take_along_axis(cand, idx, axis=1), idx, -1).astype(jnp.int32)
     if kk < w:
         idx = jnp.concatenate([idx, jnp.full((b, w - kk), -1, jnp.int32)], axis=1)
@@ -216,12 +218,16 @@ def select_subtree(tree: Tree, bs: int) -> tuple[Int[Array, "b s"], Int[Array, "
     eff = jnp.min(jnp.where(on_path, tree.score[:, None, :], jnp.inf), axis=-1)
     k1 = jnp.where(nonroot, -eff, jnp.inf)
     k2 = jnp.where(nonroot, tree.depth, jnp.iinfo(jnp.int32).max)
-    _, _, order = jax.lax.sort((k1, k2, jnp.broadcast_to(ids, (b, n))), dimension=1, num_keys=3)
     kk = min(bs, n)
     count = jnp.minimum(jnp.sum(nonroot, axis=1, dtype=jnp.int32), bs)
-    take = jnp.where(jnp.arange(kk) < count[:, None], order[:, :kk], n)
-    take = jnp.sort(take, axis=1)
-    idx = jnp.where(take < n, take, -1).astype(jnp.int32)
+    if n <= ranking.MAX_COUNTED:  # the first ``count`` in that order, then by id
+        idx = ranking.compact(ranking.ranks(k1, k2) < count[:, None], kk)
+    else:
+        keys = (k1, k2, jnp.broadcast_to(ids, (b, n)))
+        _, _, order = jax.lax.sort(keys, dimension=1, num_keys=3)
+        take = jnp.where(jnp.arange(kk) < count[:, None], order[:, :kk], n)
+        take = jnp.sort(take, axis=1)
+        idx = jnp.where(take < n, take, -1).astype(jnp.int32)
     if kk < bs:
         idx = jnp.concatenate([idx, jnp.full((b, bs - kk), -1, jnp.int32)], axis=1)
     return idx, count
