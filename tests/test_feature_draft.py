@@ -248,12 +248,12 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
 
 def test_a_feature_drafts_tree_is_deeper_and_wider_where_its_shape_is_left_open():
     """Depth and bs left open: a feature head's tree takes ``FEATURE_SHAPE`` (6 and 16), any
-    other draft 4 and 8; given values win for both."""
+    other draft 3 and 8; given values win for both."""
     open_ = tree.Options()
     assert open_.shape_for(feature=True) == tree.TreeShape(**tree.FEATURE_SHAPE)
-    assert open_.shape == open_.shape_for(feature=False) == tree.TreeShape(4, 8, 4, 8)
-    given = tree.Options(depth=3, bs=5)
-    assert given.shape_for(feature=True) == given.shape == tree.TreeShape(3, 8, 4, 5)
+    assert open_.shape == open_.shape_for(feature=False) == tree.TreeShape(3, 8, 4, 8)
+    given = tree.Options(depth=2, bs=5)
+    assert given.shape_for(feature=True) == given.shape == tree.TreeShape(2, 8, 4, 5)
     with pytest.raises(OptionError, match="depth"):
         tree.Options(depth=0)
     target = tiny.model(0)
