@@ -9,7 +9,7 @@ model draft only: a prompt-lookup tree is one looked-up path. The kernels are th
 ``JAXSPEC_*`` variables (``kernels``).
 
     python benchmarks/bench_gamma_sweep.py [--contexts 1024] [--gammas 3,4,6,8] [--new 128]
-        [--trees 4x8x4x8,6x8x4x8,6x8x4x16] [--draft checkpoints/drafts/smollm2-135m-instruct-draft]
+        [--trees 3x8x4x8,4x8x4x8,6x8x4x16] [--draft checkpoints/drafts/smollm2-135m-instruct-draft]
         [--out gamma_sweep.json]
 """
 
@@ -39,7 +39,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument(
         "--trees",
-        default="4x8x4x8,4x4x2x8,6x8x4x8,6x8x4x16,8x8x4x16",
+        default="3x8x4x8,4x8x4x8,4x4x2x8,6x8x4x8,6x8x4x16,8x8x4x16,4x1x4x8,6x1x4x8",
         help="tree shapes DEPTHxWIDTHxBRANCHxBS, comma-separated ('' for none)",
     )
     ap.add_argument("--draft", default=str(SHIPPED))
