@@ -12,7 +12,8 @@ drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat,
 chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
 ``distilled``: chain, gamma 4, the shipped small draft; ``feature``: chain, gamma 4, the feature
 draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 6, bs
-16); ``feature-chain6`` and ``feature-tree4`` (depth 4, bs 8: other drafts' default) on request.
+16); ``feature-chain6`` and ``feature-tree4`` (depth 4, bs 8: other drafts' default until
+9f90429) on request.
 Each call is timed around ``generate`` as a user makes it (host work included); a call that
 compiled (a new prompt width) runs again and the second is timed. Every row's tokens are compared
 with autoregressive decoding's: in float32 they must all be equal (the script exits 1 otherwise).

@@ -51,3 +51,42 @@ def test_every_benchmark_script_runs_from_another_folder(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "ok", r.stdout[-3000:]
+
+
+FAKE_PEER = """
+import json, sys, time
+rows = sys.argv[1].split(",")
+for label in rows:
+    print(json.dumps({"label": label, "tok_per_s_whole_call": 900.0}), flush=True)
+time.sleep(60)  # HF's static cache compiling, as on the GPU machines
+"""
+
+
+def test_the_small_model_benchmark_stops_the_peer_once_its_rows_are_in(tmp_path, monkeypatch):
+    """``bench_small_model.peer`` keeps the peer's CUDA-graph row and HF's eager row and stops
+    the peer then, not after the minutes of its last, failing row; a peer that never prints its
+    own row gives None at the time limit."""
+    import time
+
+    from benchmarks import bench_small_model as bsm
+
+    script = tmp_path / "peer.py"
+    script.write_text(FAKE_PEER)
+    monkeypatch.setattr(bsm, "default_gguf_path", lambda: "model.gguf")
+
+    def run(rows: str, **kw):
+        wrapper = tmp_path / f"run_{len(rows)}.py"  # the peer's argv: real GGUF IDS
+        wrapper.write_text(
+            f"import runpy, sys\nsys.argv = ['peer.py', {rows!r}]\n"
+            f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        )
+        t0 = time.perf_counter()
+        got = bsm.peer(str(wrapper), [1, 2, 3], 8, **kw)
+        return got, time.perf_counter() - t0
+
+    got, took = run("torch_cudagraph_real_smol_ctx1024,hf_eager_real_smol_ctx1024")
+    assert took < 30, "waited for the peer's last row"
+    assert got["label"] == "torch_cudagraph_real_smol_ctx1024"
+    assert [r["label"] for r in got["others"]] == ["hf_eager_real_smol_ctx1024"]
+    got, took = run("hf_eager_real_smol_ctx1024", timeout_s=2)
+    assert got is None and took < 30

@@ -4,11 +4,12 @@
 # and trees with the shipped draft and prompt lookup, the first token after the 4K prompt, the
 # PyTorch CUDA-graph peer on the same weights and prompt in the same call (its script carried
 # beside the GGUF half: lib.sh's stash keeps it in ~/peer), the float32 exactness check. Needs
-# the GGUF (README.md). About 7 minutes on an H200; on an H100 (258c7dd) it ran past its 570 s
-# limit before the peer and 4K, so there run two calls: `--contexts 1024`, then `--contexts 4096
-# --no-stream --no-f32`, and `python benchmarks/bench_small_model.py --merge FIRST SECOND` (it
-# adds the second's contexts). Writes $OUT/small_model.json (results/small_model.json) after
-# each section.
+# the GGUF (README.md). About 7 minutes on an H200; on an H100 (258c7dd, 7deed54) it ran past its
+# 570 s limit in the peer's section (since stopped once its rows are in: PEER_ROWS), so there run
+# two calls: `--contexts 1024`, then `--contexts 4096 --no-stream --no-f32` (about 70 s on an
+# H100 at c21442e), and `python benchmarks/bench_small_model.py --merge FIRST SECOND` (it adds
+# the second's contexts). Writes $OUT/small_model.json (results/small_model.json) after each
+# section.
 #   bash benchmarks/gpu/small_model.sh --contexts 1024 --no-f32
 # With --random-weights, the streaming rows alone on random SmolLM2-shape weights: no GGUF, one
 # call (then --merge them into results/small_model.json).
