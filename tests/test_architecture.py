@@ -120,7 +120,7 @@ def test_pallas_kernels_import_nothing_from_jaxspec():
 LAYERS = [
     ("pallas_kernels",),
     ("jaxspec.errors", "jaxspec.config", "jaxspec.pytree", "jaxspec.timing", "jaxspec.kernels",
-     "jaxspec.prompts", "jaxspec.provenance", "jaxspec.distributed"),
+     "jaxspec.prompts", "jaxspec.provenance", "jaxspec.distributed", "jaxspec.ranking"),
     ("jaxspec.model",),
     ("jaxspec.spec", "jaxspec.io"),
     ("jaxspec.engines",),
