@@ -150,7 +150,8 @@ def _profile_magicdec(args, target, draft) -> int:
     gammas = _int_list("--gammas", args.gammas)
     shape = None
     if args.tree:
-        shape = tree.TreeShape(args.depth, args.width, args.branch, args.bs)
+        depth = tree.TreeShape().depth if args.depth is None else args.depth
+        shape = tree.TreeShape(depth, args.width, args.branch, args.bs)
     prompts = None
     if target.tokenizer is not None:  # alpha on real long documents (see jaxspec.io.datasets)
 

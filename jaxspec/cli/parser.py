@@ -276,7 +276,10 @@ def _profile(sub) -> None:
         "--tree", action="store_true", help="magicdec: also measure a batched tree (--depth, "
         "--width, --branch, --bs) and compare it with the chains",
     )  # fmt: skip
-    pr.add_argument("--depth", type=int, default=4, help="magicdec --tree: expansions per tree")
+    pr.add_argument(
+        "--depth", type=int, default=None,
+        help="magicdec --tree: expansions per tree (default: the tree engine's, 3)",
+    )  # fmt: skip
 
 
 # (flag, Recipe/DataSpec field, type, help): distill's training and data options. Defaults are
