@@ -202,13 +202,15 @@ PEER_ROWS = ("torch_cudagraph_real", "hf_eager_real")
 def peer(path: str, ids: list[int], new: int, timeout_s: float = 420) -> dict | None:
     """The PyTorch CUDA-graph peer's whole-call tokens/s on the same GGUF weights and prompt
     (``PEER_ROWS``' rows, read as the peer prints them; None if its own row never came)."""
-    rows = []
+    rows, err = [], ""
     with tempfile.TemporaryDirectory() as tmp:
         f = pathlib.Path(tmp) / "ids.json"
         f.write_text(json.dumps({"ctx1024": ids}))
+        log = pathlib.Path(tmp) / "stderr.txt"  # a file: a full pipe would stall the peer
+        errf = log.open("w")
         proc = subprocess.Popen(
             ["python3", path, "real", str(default_gguf_path()), str(f)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE, stderr=errf, text=True,
         )  # fmt: skip
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
@@ -223,9 +225,12 @@ def peer(path: str, ids: list[int], new: int, timeout_s: float = 420) -> dict | 
             timer.cancel()
             proc.kill()
             proc.wait()
+            proc.stdout.close()
+            errf.close()
+            err = log.read_text(errors="replace")[-1500:]
     graph = [x for x in rows if x.get("label", "").startswith(PEER_ROWS[0])]
     if not graph or "tok_per_s_whole_call" not in graph[-1]:
-        print("peer failed:", rows, flush=True)
+        print("peer failed:", rows, err, flush=True)
         return None
     # the CUDA-graph row is the peer; HF's eager row rides along
     return {**graph[-1], "others": [x for x in rows if x is not graph[-1] and "label" in x]}
