@@ -266,6 +266,9 @@ def merged(first: str, more: str) -> dict:
     if "streaming" in b and "ctx1024" not in b:  # a --random-weights run: its section replaces
         a["streaming"] = b["streaming"]
         a["streaming_run"] = {k: b[k] for k in ("date", "commit", "command", "model")}
+    if "float32_check" in b and "float32_check" not in a:  # run last, in the second call
+        a["float32_check"] = b["float32_check"]
+        a["float32_check_run"] = f"{b['commit']}, {b['device']}: {b['command']}"
     if "ctx4096" in a:
         a["first_token_ms_ctx4096"] = a["ctx4096"]["first_token_ms"]
     return a

@@ -90,3 +90,27 @@ def test_the_small_model_benchmark_stops_the_peer_once_its_rows_are_in(tmp_path,
     assert [r["label"] for r in got["others"]] == ["hf_eager_real_smol_ctx1024"]
     got, took = run("hf_eager_real_smol_ctx1024", timeout_s=2)
     assert got is None and took < 30
+
+
+def test_merging_two_small_model_calls_keeps_each_runs_figures(tmp_path):
+    """``--merge``: the second call's 4K context joins the first's 1K one with its own commit and
+    command, its float32 check too (it ran last, in the second call); the first call's keep."""
+    import json
+
+    from benchmarks import bench_small_model as bsm
+
+    run = {"date": "2026-12-06", "device": "GPU", "model": "m"}
+    first = {**run, "commit": "aaa", "command": "one", "ctx1024": {"rows": {}}, "peer": {"x": 1}}
+    more = {**run, "commit": "bbb", "command": "two", "ctx1024": {"rows": {"late": 1}}}
+    more |= {"ctx4096": {"rows": {}, "first_token_ms": 7.5}, "float32_check": {"tree": True}}
+    paths = []
+    for name, payload in (("a", first), ("b", more)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(payload))
+    got = bsm.merged(*map(str, paths))
+    assert got["ctx1024"] == {"rows": {}} and got["peer"] == {"x": 1}
+    assert got["ctx4096"]["commit"] == "bbb" and got["first_token_ms_ctx4096"] == 7.5
+    assert got["float32_check"] == {"tree": True} and got["float32_check_run"].startswith("bbb")
+    first["float32_check"] = {"tree": False}
+    paths[0].write_text(json.dumps(first))
+    assert bsm.merged(*map(str, paths))["float32_check"] == {"tree": False}
