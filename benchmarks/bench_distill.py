@@ -49,13 +49,14 @@ from benchmarks.common import (  # noqa: E402
 TREE_KEYS = ("depth", "width", "branch", "bs")
 
 
-def configs(gamma: int, budget: int, sinks: int, feature: bool = False):
-    """(name, method, draft key, options)."""
+def configs(gamma: int, budget: int, sinks: int, feature: bool = False, compare: str = ""):
+    """(name, method, draft key, options); ``compare``: the other head's name (``@full``, ...)
+    for the model drafts' rows again with it (``--compare-vocab``)."""
     feature_rows = [
         ("feature", "chain", "feature", {"gamma": gamma}),
         ("feature-tree", "tree", "feature", {}),
     ]
-    return [
+    rows = [
         ("autoregressive", "autoregressive", None, {}),
         ("distilled", "chain", "distilled", {"gamma": gamma}),
         ("ngram", "chain", "ngram", {"gamma": gamma}),
@@ -66,6 +67,13 @@ def configs(gamma: int, budget: int, sinks: int, feature: bool = False):
             {"gamma": gamma, "budget": budget, "sinks": sinks},
         ),
     ] + (feature_rows if feature else [])
+    if compare:
+        rows += [
+            (f"{n}{compare}", m, f"{k}{compare}", o)
+            for n, m, k, o in rows
+            if k in ("distilled", "feature")
+        ]
+    return rows
 
 
 def run_one(target, method, draft, ids: list[int], width: int, new: int, opts: dict):
@@ -95,11 +103,20 @@ def device_tag() -> str:
 
 
 def parse(argv=None):
+    from jaxspec.cli.parser import draft_vocab
     from jaxspec.io.draft_checkpoint import SHIPPED
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=str(SHIPPED), help="distilled draft folder")
     ap.add_argument("--feature", default=None, help="a feature draft folder: adds its rows")
+    ap.add_argument(
+        "--draft-vocab", type=draft_vocab, default="default", metavar="N|default|full",
+        help="the drafts' heads: load_draft's vocab (jaxspec.model.vocab_head)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-vocab", type=draft_vocab, default="default", metavar="N|default|full",
+        help="also the distilled and feature drafts' rows with this head (names @N / @full)",
+    )  # fmt: skip
     ap.add_argument("--model", default=None, help="target checkpoint (default: embedded SmolLM2)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new", type=int, default=128)
@@ -194,18 +211,25 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jaxspec.io.draft_checkpoint import load_draft
+    from jaxspec.model.vocab_head import vocab_size_of
 
     args = parse(argv)
     t0 = time.perf_counter()
     deadline = None if args.budget_s is None else t0 + args.budget_s
     target = default_target(args.model)
-    draft = load_draft(args.draft, target)
+    draft = load_draft(args.draft, target, vocab=args.draft_vocab)
     ids = [target.tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
     width = -(-max(len(p) for p in ids) // 64) * 64
     tag = args.device_tag or device_tag()
     drafts = {"distilled": draft, "ngram": "ngram", "self-streaming": "self-streaming"}
     if args.feature is not None:
-        drafts["feature"] = load_draft(args.feature, target)
+        drafts["feature"] = load_draft(args.feature, target, vocab=args.draft_vocab)
+    compare = ""
+    if args.compare_vocab != args.draft_vocab:
+        compare = f"@{args.compare_vocab or 'full'}"
+        for key, path in (("distilled", args.draft), ("feature", args.feature)):
+            if path is not None:
+                drafts[key + compare] = load_draft(path, target, vocab=args.compare_vocab)
     wanted = None if args.only is None else set(args.only.split(","))
     section = {
         **metadata(),
@@ -218,6 +242,7 @@ def main(argv=None) -> int:
         "greedy": True,
         "kernels": target.net().kernels.describe(),
         "draft": draft_info(args.draft, draft),
+        "draft_vocab": vocab_size_of(draft) or "full",
         **(
             {} if args.feature is None else {"feature": draft_info(args.feature, drafts["feature"])}
         ),
@@ -227,7 +252,7 @@ def main(argv=None) -> int:
     }
     cfgs = [
         c
-        for c in configs(args.gamma, args.budget, args.sinks, args.feature is not None)
+        for c in configs(args.gamma, args.budget, args.sinks, args.feature is not None, compare)
         if wanted is None or c[0] in wanted or c[0] == "autoregressive"
     ]
     rows: dict[str, list[dict]] = {c[0]: [] for c in cfgs}

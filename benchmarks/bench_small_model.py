@@ -51,10 +51,12 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from benchmarks.bench_host_overhead import SMOLLM2  # noqa: E402
 from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
 from jaxspec.api import generate, stream  # noqa: E402
+from jaxspec.cli.parser import draft_vocab  # noqa: E402
 from jaxspec.io.convert import load  # noqa: E402
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path  # noqa: E402
 from jaxspec.io.draft_checkpoint import load_draft  # noqa: E402
 from jaxspec.kernels import KernelConfig  # noqa: E402
+from jaxspec.model.vocab_head import vocab_size_of  # noqa: E402
 
 
 def timed(model, ids, new, repeats, **kw) -> dict:
@@ -156,11 +158,28 @@ def tree_runs(spec: str) -> tuple:
     return tuple(out)
 
 
+def vocab_of(key: str, args):
+    """The ``vocab`` a ``drafts`` key was loaded with."""
+    return args.draft_vocab if key == "draft" else args.compare_vocab
+
+
+def vocab_runs(drafts) -> tuple:
+    """``--compare-vocab``'s rows: the draft's chain and tree with the other head, named
+    ``chain_draft@<vocab>`` and ``tree_draft@<vocab>``."""
+    return tuple(
+        (f"{name}@{key.split('@')[1]}", method, key, opts)
+        for key in drafts
+        if key.startswith("draft@")
+        for name, method, k, opts in RUNS
+        if k == "draft"
+    )
+
+
 def run_context(model, drafts, ctx, args) -> dict:
     ids = context_ids(model, ctx, args.new)
     rows = {"autoregressive": timed(model, ids, args.new, args.repeats)}
     ref = rows["autoregressive"]["tokens"]
-    for name, method, key, opts in RUNS + tree_runs(args.trees):
+    for name, method, key, opts in RUNS + tree_runs(args.trees) + vocab_runs(drafts):
         if key in drafts:
             r = timed(model, ids, args.new, args.repeats, method=method, draft=drafts[key], **opts)
             r["parting"] = parting(model, ids, ref, r.pop("tokens"))
@@ -182,9 +201,10 @@ def float32_check(ids, new, drafts_f32) -> dict:
     out = {}
     with jax.default_matmul_precision("highest"):
         ref = generate(m32, [ids], max_new_tokens=new).tokens[0]
-        for name, method, key, opts in RUNS:
+        for name, method, key, opts in RUNS + vocab_runs(drafts_f32):
             if key in drafts_f32:
-                d = drafts_f32[key] if key == "ngram" else load_draft(drafts_f32[key], m32)
+                path, vocab = drafts_f32[key] if key != "ngram" else (None, None)
+                d = "ngram" if key == "ngram" else load_draft(path, m32, vocab=vocab)
                 got = generate(m32, [ids], max_new_tokens=new, method=method, draft=d, **opts)
                 out[name] = got.tokens[0] == ref
     print("float32 equal to autoregressive:", out, flush=True)
@@ -277,6 +297,14 @@ def merged(first: str, more: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
+    ap.add_argument(
+        "--draft-vocab", type=draft_vocab, default="default", metavar="N|default|full",
+        help="the draft's head: load_draft's vocab (jaxspec.model.vocab_head)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-vocab", type=draft_vocab, default="default", metavar="N|default|full",
+        help="also the draft's chain and tree with this head (rows chain_draft@N, tree_draft@N)",
+    )  # fmt: skip
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="1024,4096")
@@ -321,13 +349,17 @@ def main():
     model.kernels = KernelConfig.from_env()
     drafts = {"ngram": "ngram"}
     if args.draft:
-        drafts["draft"] = load_draft(args.draft, model)
+        drafts["draft"] = load_draft(args.draft, model, vocab=args.draft_vocab)
+        if args.compare_vocab != args.draft_vocab:  # the same draft with the other head
+            other = "full" if args.compare_vocab is None else args.compare_vocab
+            drafts[f"draft@{other}"] = load_draft(args.draft, model, vocab=args.compare_vocab)
     payload = {
         **metadata(),
         "model": f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to {model.dtype})",
         "new_tokens": args.new,
         "kernels": model.net().kernels.describe(),
         "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS},
+        **({"draft_vocab": vocab_size_of(drafts["draft"]) or "full"} if args.draft else {}),
     }
     contexts = [int(c) for c in args.contexts.split(",") if c]
     # the first context's sections that compare (the peer, streaming, float32) come before the
@@ -353,7 +385,7 @@ def main():
         payload["streaming"] = streaming(model, ids, args)
         write("small_model.json", payload, args.out)
     if not args.no_f32:
-        f32 = {"ngram": "ngram", **({"draft": args.draft} if args.draft else {})}
+        f32 = {k: "ngram" if k == "ngram" else (args.draft, vocab_of(k, args)) for k in drafts}
         payload["float32_check"] = float32_check(ids_first, args.new, f32)
     for ctx in contexts[1:]:
         write("small_model.json", payload, args.out)

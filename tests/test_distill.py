@@ -187,6 +187,50 @@ def test_corrupt_draft_is_a_checkpoint_error(run, target, tmp_path):
         load_draft(bad, target)
 
 
+def test_the_draft_keeps_its_datas_token_counts_and_loads_with_a_cut_head(run, target, tmp_path):
+    """``token_counts.npy`` counts the distill data's tokens; ``load_draft(vocab=K)`` cuts the
+    head to the K most frequent (``model.vocab_head``); without counts only an explicit K is an
+    error; bad counts and a bad ``vocab`` are clear errors; ``write_token_counts`` gives an older
+    draft its counts."""
+    from jaxspec.errors import CheckpointError
+    from jaxspec.model.vocab_head import frequent_ids, vocab_size_of
+
+    stream = np.load(run.path.parent / "data" / "tokens.npy")
+    counts = np.load(run.path / DC.TOKEN_COUNTS)
+    np.testing.assert_array_equal(counts, np.bincount(stream, minlength=tiny.CFG.vocab_size))
+    meta = json.loads((run.path / "draft.json").read_text())
+    assert meta["token_counts"]["tokens"] == stream.size
+    cut = load_draft(run.path, target, vocab=16)
+    head = np.asarray(cut.params["vocab_head"]["ids"][...])
+    np.testing.assert_array_equal(
+        head, frequent_ids(counts, 16, always=target.config.eos_token_ids)
+    )
+    assert vocab_size_of(load_draft(run.path, target)) is None  # the default > this vocabulary
+    assert vocab_size_of(load_draft(run.path, target, vocab=None)) is None
+    want = generate(target, PROMPTS, max_new_tokens=12).tokens
+    assert (
+        generate(target, PROMPTS, draft=cut, method="chain", gamma=3, max_new_tokens=12).tokens
+        == want
+    )
+    old = tmp_path / "old"
+    shutil.copytree(run.path, old)
+    (old / DC.TOKEN_COUNTS).unlink()
+    assert vocab_size_of(load_draft(old, target)) is None
+    with pytest.raises(CheckpointError, match="no token_counts.npy"):
+        load_draft(old, target, vocab=16)
+    with pytest.raises(OptionError, match="vocab="):
+        load_draft(run.path, target, vocab="half")
+    DC.write_token_counts(old, stream, "test")
+    np.testing.assert_array_equal(np.load(old / DC.TOKEN_COUNTS), counts)
+    assert json.loads((old / "draft.json").read_text())["token_counts"]["source"] == "test"
+    (old / DC.TOKEN_COUNTS).write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_draft(old, target, vocab=16)
+    np.save(old / DC.TOKEN_COUNTS, counts[:10])
+    with pytest.raises(CheckpointError, match="one count for each"):
+        load_draft(old, target, vocab=16)
+
+
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert cli.main(["distill", "--target", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().err

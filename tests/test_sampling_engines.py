@@ -1,7 +1,8 @@
 """Sampling through the chain and tree engines reproduces the target's distribution exactly:
 the joint law of the first three new tokens against exact enumeration, chi-square at a fixed
 seed, with a negative control (a rule that accepts every draft token) that the test rejects;
-with a draft model and with a feature draft (an EAGLE head over the target's states)."""
+with a draft model, with one whose head covers half the vocabulary (``model.vocab_head``) and
+with a feature draft (an EAGLE head over the target's states)."""
 
 import itertools
 import math
@@ -15,6 +16,7 @@ from jaxspec.engines import chain as chain_engine
 from jaxspec.engines import programs
 from jaxspec.engines import tree as tree_engine
 from jaxspec.model.feature_head import random_head
+from jaxspec.model.vocab_head import with_vocab
 from jaxspec.spec.sampling import Sampling, draw, probs
 from tests import tiny
 
@@ -77,7 +79,10 @@ def models(kind: str = "model"):
     target = tiny.model(3, vocab_size=V)
     if kind == "feature":
         return target, random_head(target, seed=9)
-    return target, tiny.perturbed(target, 0.6, 9)
+    draft = tiny.perturbed(target, 0.6, 9)
+    if kind == "model-vocab":  # the draft proposes 3 of the 6 tokens; the target emits all 6
+        return target, with_vocab(draft, np.array([0, 2, 5]))
+    return target, draft
 
 
 KINDS = ["model", pytest.param("feature", marks=pytest.mark.slow)]  # a minute of CPU a test
@@ -96,7 +101,7 @@ def fresh_compiles():
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "model-vocab"])  # model-vocab: a cut draft head
 @pytest.mark.parametrize(
     "method,opts",
     [("chain", dict(gamma=2)), ("tree", dict(depth=2, width=2, branch=2, bs=4))],

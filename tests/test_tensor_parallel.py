@@ -18,6 +18,7 @@ from jaxspec.errors import OptionError
 from jaxspec.model import feature_head, sharding, tensor_parallel
 from jaxspec.model import quantized as Q
 from jaxspec.model.transformer import Net
+from jaxspec.model.vocab_head import with_vocab
 from jaxspec.spec.sampling import Sampling
 from tests import tiny
 
@@ -57,6 +58,16 @@ def test_shard_map_step_is_greedy_equal_to_one_device(method, n):
     if method != "autoregressive":
         kw.update(draft=placed(draft, n), **(dict(gamma=3) if method == "chain" else TREE))
     assert generate(pt, ps, **kw).tokens == ref
+
+
+def test_shard_map_step_with_a_draft_whose_head_is_cut_is_greedy_equal():
+    """A draft head over a subset of the vocabulary (``model.vocab_head``) is replicated: each
+    device returns its slice of the whole-vocabulary logits."""
+    target, draft, ps, ref = models()
+    cut = with_vocab(draft, np.arange(0, tiny.TP["vocab_size"], 3))
+    got = generate(placed(target, 2), ps, draft=placed(cut, 2), method="chain", gamma=3,
+                   max_new_tokens=NEW, kernels=TP)  # fmt: skip
+    assert got.tokens == ref
 
 
 @SLOW

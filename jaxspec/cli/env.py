@@ -129,7 +129,7 @@ def draft_of(args, target):
     if args.draft is None or args.draft in DRAFT_KINDS:
         return args.draft
     if is_draft_checkpoint(args.draft):  # distilled: shares the target's embedding
-        return load_draft(args.draft, target)
+        return load_draft(args.draft, target, vocab=args.draft_vocab)
     dtype = dtype_name(args.dtype)
     model = load(model_path(args.draft, dtype), dtype=jnp.dtype(dtype), quantized=quantized(args))
     model.kernels = target.kernels
@@ -152,7 +152,7 @@ def auto_method(args, target, draft, options: dict):
             "lookup), --draft self-streaming, or --draft PATH (a checkpoint)."
         )
     if args.model is None and jax.default_backend() == "gpu":
-        shipped = shipped_draft(target)
+        shipped = shipped_draft(target, vocab=args.draft_vocab)
         if shipped is not None:
             return "chain", shipped
     return "autoregressive", None

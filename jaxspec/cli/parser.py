@@ -75,6 +75,30 @@ def _add_model_args(p: argparse.ArgumentParser, *, flag: str = "--model") -> Non
     )
 
 
+def draft_vocab(text: str) -> int | str | None:
+    """``--draft-vocab``: a number of tokens, ``default`` or ``full``."""
+    if text in ("default", "full"):
+        return None if text == "full" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of tokens, default or full"
+        ) from None
+
+
+def _add_draft_vocab(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-vocab",
+        type=draft_vocab,
+        default="default",
+        metavar="N|default|full",
+        help="a distilled draft predicts over the N tokens most frequent in its distill data "
+        "(lossless: the target verifies; jaxspec.model.vocab_head); default: "
+        "vocab_head.DEFAULT_SIZE where the draft has token counts; full: the whole vocabulary",
+    )
+
+
 def _add_exact(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exact",
@@ -100,6 +124,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         help="draft checkpoint folder (converted model or `jaxspec distill` output), or one of "
         f"{', '.join(DRAFT_KINDS)}",
     )
+    _add_draft_vocab(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -199,6 +224,7 @@ def _bench(sub) -> None:
         default="ngram",
         help=f"draft checkpoint folder, or one of {', '.join(DRAFT_KINDS)} (default: ngram)",
     )
+    _add_draft_vocab(b)
     b.add_argument("--dataset", default="humaneval", help=f"{DATASETS} (default: humaneval)")
     b.add_argument("--prompts", type=int, default=8, help="how many prompts (default 8)")
     b.add_argument("--max-new-tokens", type=int, default=64)
@@ -247,6 +273,7 @@ def _profile(sub) -> None:
         help="draft checkpoint folder, or self-streaming (swiftspec, magicdec) or self-snapkv "
         "(magicdec)",
     )
+    _add_draft_vocab(pr)
     pr.add_argument("--prompt-tokens", type=int, default=512, help="prefix length to profile at")
     pr.add_argument("--width", type=int, default=8)
     pr.add_argument("--branch", type=int, default=4)

@@ -1,8 +1,10 @@
 """Distilled draft checkpoints: the on-disk format, the target fingerprint, ``load_draft``.
 
 A draft folder holds ``draft.json`` (format, kind, config, the target's fingerprint, the training
-record) and ``params/`` (Orbax): only the draft's own layers. The target's embedding (and LM
-head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
+record), ``params/`` (Orbax): only the draft's own layers, and ``token_counts.npy``: how often
+each token occurs in the text the draft was distilled on, from which ``load_draft`` cuts the
+draft's LM head to the most frequent tokens (``model.vocab_head``). The target's embedding (and
+LM head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
 Written by ``jaxspec.train.distill``. Kinds: "model" (a small decoder, loaded as a ``Model``;
 folders without a kind are of it) and "feature" (an EAGLE-1 head over the target's states,
 loaded as a ``FeatureModel``).
@@ -29,12 +31,14 @@ from jaxspec.io.paths import temp_dir, writing_beside
 from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
 from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, Network, abstract_model
+from jaxspec.model.vocab_head import DEFAULT_SIZE, frequent_ids, with_vocab
 from jaxspec.provenance import metadata
 
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
 SHIPPED = places.shipped_drafts() / "smollm2-135m-instruct-draft"
 SHIPPED_FEATURE = places.shipped_drafts() / "smollm2-135m-instruct-feature"  # EAGLE-1 head
+TOKEN_COUNTS = "token_counts.npy"  # int32 [V]: each token's count in the distill data
 PathLike = str | os.PathLike
 
 
@@ -150,17 +154,29 @@ def is_draft_checkpoint(path: PathLike) -> bool:
     return (p / "draft.json").is_file() or (p / "draft" / "draft.json").is_file()
 
 
-def load_draft(path: PathLike, target: Model) -> Network:
+def load_draft(path: PathLike, target: Model, *, vocab: int | str | None = "default") -> Network:
     """Load a distilled draft for ``target``: its own layers from ``path`` (a draft folder or a
     distill output folder), the shared embedding / LM head from ``target``, in the target's dtype
     and with its tokenizer: a ``Model``, or a ``FeatureModel`` for a feature draft (the kind is
-    in ``draft.json``). Raises ``DraftError`` when the draft was distilled for another target,
-    ``CheckpointError`` when the files are missing or corrupt."""
+    in ``draft.json``). ``vocab``: the draft predicts over that many of the tokens most frequent
+    in its distill data (``token_counts.npy``); "default": ``vocab_head.DEFAULT_SIZE`` for this
+    backend where the folder has the counts, else the whole vocabulary; None: the whole
+    vocabulary. Lossless either way (``model.vocab_head``). Raises ``DraftError`` when the draft
+    was distilled for another target, ``CheckpointError`` when the files are missing or corrupt."""
     import orbax.checkpoint as ocp
 
     if not isinstance(target, Model):
         raise OptionError(
             f"load_draft needs the target jaxspec.Model, got {type(target).__name__}."
+        )
+    if (
+        vocab != "default"
+        and vocab is not None
+        and (isinstance(vocab, bool) or not isinstance(vocab, int))
+    ):
+        raise OptionError(
+            f"vocab={vocab!r}: give a number of tokens, 'default', or None for the whole "
+            "vocabulary."
         )
     d = _draft_dir(pathlib.Path(path).expanduser().absolute())
     meta = _read_json(d / "draft.json", "draft description")
@@ -206,17 +222,76 @@ def load_draft(path: PathLike, target: Model) -> Network:
         ) from None
     of = meta.get("target", {}).get("name") or target.name
     if kind == "feature":
-        return head_model(target, cfg, restored, f"feature-draft[{cfg.num_layers}L]({of})")
-    return _draft_model(target, cfg, restored, f"draft[{cfg.num_layers}L]({of})")
+        draft = head_model(target, cfg, restored, f"feature-draft[{cfg.num_layers}L]({of})")
+    else:
+        draft = _draft_model(target, cfg, restored, f"draft[{cfg.num_layers}L]({of})")
+    return with_vocab(draft, _vocab_ids(d, vocab, cfg))
 
 
-def shipped_draft(target: Model) -> Model | None:
+def _vocab_ids(d: pathlib.Path, vocab, cfg: ModelConfig) -> np.ndarray | None:
+    """The token ids a draft loaded with ``vocab`` predicts over (None: all of them)."""
+    if vocab is None:
+        return None
+    counts = read_token_counts(d, cfg)
+    if counts is None:
+        if vocab == "default":
+            return None
+        raise CheckpointError(
+            f"{d} has no {TOKEN_COUNTS}, so its head cannot be cut to the {vocab} most frequent "
+            "tokens: distil it again with this jaxspec, count its data's tokens with "
+            "`python scripts/draft_token_counts.py` (checkpoints/README.md), or load it with "
+            "the whole vocabulary (vocab=None, --draft-vocab full)."
+        )
+    size = DEFAULT_SIZE.get(jax.default_backend()) if vocab == "default" else vocab
+    if size is None or size >= cfg.vocab_size:
+        return None
+    return frequent_ids(counts, size, always=cfg.eos_token_ids)
+
+
+def read_token_counts(d: pathlib.Path, cfg: ModelConfig) -> np.ndarray | None:
+    """The draft folder's token counts ``[V]``, or None when it has none."""
+    path = d / TOKEN_COUNTS
+    if not path.is_file():
+        return None
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e}); count the tokens again.") from None
+    if counts.shape != (cfg.vocab_size,) or not np.issubdtype(counts.dtype, np.integer):
+        raise CheckpointError(
+            f"{path} holds {counts.dtype} {counts.shape}, not one count for each of the "
+            f"{cfg.vocab_size} tokens; count the tokens again."
+        )
+    return counts
+
+
+def token_counts_of(stream: np.ndarray, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs in ``stream`` (int32 ``[vocab_size]``)."""
+    return np.bincount(np.asarray(stream).reshape(-1), minlength=vocab_size).astype(np.int32)
+
+
+def write_token_counts(path: PathLike, stream: np.ndarray, source: str) -> np.ndarray:
+    """Give the finished draft folder ``path`` the counts of the tokens in ``stream`` (``source``:
+    what text that is, recorded in ``draft.json``), each file replaced atomically."""
+    d = _draft_dir(pathlib.Path(path).expanduser().absolute())
+    meta = _read_json(d / "draft.json", "draft description")
+    counts = token_counts_of(stream, int(meta["config"]["vocab_size"]))
+    tmp = d / f".{TOKEN_COUNTS}.tmp-{os.getpid()}.npy"
+    np.save(tmp, counts)
+    os.replace(tmp, d / TOKEN_COUNTS)
+    meta["token_counts"] = {"file": TOKEN_COUNTS, "tokens": int(counts.sum()), "source": source}
+    _write_atomic(d / "draft.json", json.dumps(meta, indent=2))
+    return counts
+
+
+def shipped_draft(target: Model, *, vocab: int | str | None = "default") -> Model | None:
     """The draft shipped in ``checkpoints/drafts/`` (``jaxspec/shipped/`` in a wheel) for
-    ``target`` (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target."""
+    ``target`` (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target;
+    ``vocab`` as ``load_draft``'s."""
     if not is_draft_checkpoint(SHIPPED):
         return None
     try:
-        return load_draft(SHIPPED, target)
+        return load_draft(SHIPPED, target, vocab=vocab)
     except (DraftError, CheckpointError):
         return None
 
@@ -227,9 +302,12 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_draft(dst, cfg, train, store_dtype, fp, *, training, kind="model") -> pathlib.Path:
-    """``draft.json`` + ``params/`` (only the draft's own weights), atomically. ``kind``:
-    "model" (a small decoder) or "feature" (an EAGLE-1 head, ``model.feature_head``)."""
+def _write_draft(
+    dst, cfg, train, store_dtype, fp, *, training, kind="model", token_counts=None
+) -> pathlib.Path:
+    """``draft.json`` + ``params/`` (only the draft's own weights) + the data's
+    ``token_counts`` when given, atomically. ``kind``: "model" (a small decoder) or "feature" (an
+    EAGLE-1 head, ``model.feature_head``)."""
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
     meta = {
@@ -244,8 +322,16 @@ def _write_draft(dst, cfg, train, store_dtype, fp, *, training, kind="model") ->
         "target": fp,
         "training": {**training, **{k: v for k, v in metadata().items() if k != "command"}},
     }
+    if token_counts is not None:
+        meta["token_counts"] = {
+            "file": TOKEN_COUNTS,
+            "tokens": int(np.sum(token_counts)),
+            "source": "the distill data (prompts and the target's continuations)",
+        }
     with writing_beside(dst) as (tmp, _):
         _save_params(tmp / "params", weights)
+        if token_counts is not None:
+            np.save(tmp / TOKEN_COUNTS, np.asarray(token_counts, np.int32))
         (tmp / "draft.json").write_text(json.dumps(meta, indent=2))
         _replace(tmp, dst)
     return dst

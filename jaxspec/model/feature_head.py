@@ -57,6 +57,7 @@ class FeatureHead(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(d, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+        self.vocab_head = None  # the LM head over the frequent tokens (``model.vocab_head``)
 
     def __call__(
         self,
@@ -79,6 +80,8 @@ class FeatureHead(nnx.Module):
             vs.append(vc)
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
+        if self.vocab_head is not None:
+            return self.vocab_head(x, kernels), x, KVCache(k=ks, v=vs, length=cache.length)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
         logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
         return logits, x, KVCache(k=ks, v=vs, length=cache.length)

@@ -158,7 +158,14 @@ def forward(net, flat, tokens, cache: KVCache, block: Block, select, features=No
                               (layer.mlp.down_proj, cfg.intermediate_size)):  # fmt: skip
                 lin.kernel.set_value(_local_rows(lin.kernel.get_value(), rows))
         sel = select[0] if select else None
-        return module(tokens, cache, block, sel, net.kernels, feats, parallel)
+        out = module(tokens, cache, block, sel, net.kernels, feats, parallel)
+        if module.vocab_head is None:
+            return out
+        # a draft's head over its frequent tokens is replicated: its whole-vocabulary logits,
+        # this device's slice of them
+        width = net.cfg.vocab_size // n
+        part = lax.dynamic_slice_in_dim(out[0], lax.axis_index(AXIS) * width, width, axis=-1)
+        return (part, *out[1:])
 
     rep = PartitionSpec()
     args = (flat, tokens, cache, block) + (() if select is None else (select,))

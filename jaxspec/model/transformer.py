@@ -137,6 +137,7 @@ class Transformer(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+        self.vocab_head = None  # a draft's head over its frequent tokens (``model.vocab_head``)
 
     def __call__(
         self,
@@ -194,6 +195,8 @@ class Transformer(nnx.Module):
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x, kernels)
+        if self.vocab_head is not None:
+            return self.vocab_head(x, kernels)
         w, stored = self.head()
         return project(x, w, kernels, jnp.float32, w_out_in=stored)
 

@@ -1,0 +1,116 @@
+"""A draft's LM head over the target's most frequent tokens only (FR-Spec: Zhao et al. 2025,
+"FR-Spec: Accelerating Large-Vocabulary Language Models via Frequency-Ranked Speculative
+Sampling", arXiv 2502.14856; EAGLE-3's drafts also predict over a reduced vocabulary).
+
+The shipped SmolLM2 draft spends 28 of its 32 M multiply-adds a token in the 49152 x 576 LM head
+it shares with the target, and the feature head 28 of 33 M. Over the ``K`` tokens that occur
+most often in text the target wrote (``token_counts.npy`` beside the draft's weights, counted by
+``jaxspec distill``), the head costs ``K / V`` of that, and the draft proposes only those
+tokens.
+
+Lossless for any ``K``: the draft's logits are ``-inf`` outside the subset, so its distribution
+``q`` is zero there and the acceptance rule (``spec.acceptance``) takes it as any other ``q``: a
+token is accepted with probability ``min(1, p / q)`` and a rejection resamples from ``max(p - q,
+0)``, which holds the tokens the draft cannot propose; greedy, the target's argmax is kept
+whatever the draft proposed. What ``K`` changes is the acceptance length (a token outside the
+subset is never drafted) and the draft step's cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+from jaxspec.errors import OptionError
+from jaxspec.kernels import KernelConfig
+from jaxspec.model.layers import dequantized, project
+
+# load_draft's "default" head by backend (None: the whole vocabulary). CPU: the shipped drafts
+# with the real SmolLM2 (float32, 2 cores, chain gamma 4, the first 10 held-out HumanEval
+# prompts, 128 new tokens, one run, 2026-12-06): the small draft 1.07x autoregressive with the
+# whole head, 1.44x at 4096 tokens, 1.39x at 8192, 1.20x at 16384 (2.33 / 2.29 / 2.30 / 2.32
+# tokens a verification); the feature head 0.98x, 1.94x, 1.82x, 1.74x (3.34 / 3.20 / 3.21 /
+# 3.27). GPU: see benchmarks/RESULTS.md (small_model, distill).
+DEFAULT_SIZE: dict[str, int | None] = {"cpu": 4096, "gpu": 16384}
+MIN_SIZE = 1  # any subset is lossless (a tree's children past it are -inf, never accepted by
+# chance: a deterministic child is kept only where the target's own token is that child)
+
+
+class VocabHead(nnx.Module):
+    """``ids`` (ascending token ids, int32 ``[K]``) and their rows of the LM head ``[K, D]``."""
+
+    def __init__(self, ids, rows, vocab_size: int):
+        self.ids = nnx.Variable(jnp.asarray(ids, jnp.int32))
+        self.rows = nnx.Param(rows)
+        self.vocab_size = vocab_size
+
+    def __call__(self, x, kernels: KernelConfig) -> Float[Array, "b l v"]:
+        """Float32 logits over the whole vocabulary from ``x [b, l, d]`` (the state the LM head
+        reads): the subset's products, ``-inf`` elsewhere. Ascending ids keep ``argmax``'s tie
+        order (the lowest id) among the subset."""
+        small = project(x, self.rows[...], kernels, jnp.float32, w_out_in=True)
+        full = jnp.full((*small.shape[:-1], self.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., self.ids[...]].set(small)
+
+
+def frequent_ids(counts: np.ndarray, size: int, always=()) -> np.ndarray:
+    """The ``size`` most counted token ids (ties: the lower id first), with every id of
+    ``always`` (end-of-sequence tokens) in place of the least counted ones, ascending."""
+    counts = np.asarray(counts)
+    v = counts.shape[0]
+    if not MIN_SIZE <= size <= v:
+        raise OptionError(
+            f"a draft vocabulary of {size} tokens: give between {MIN_SIZE} and the vocabulary's "
+            f"{v} (or none for the whole vocabulary)."
+        )
+    always = np.unique(np.asarray([t for t in always if 0 <= int(t) < v], np.int64))
+    ranked = np.argsort(-counts, kind="stable")
+    rest = ranked[~np.isin(ranked, always)][: size - always.size]
+    return np.sort(np.concatenate([rest, always]).astype(np.int32))
+
+
+def head_rows(pure: dict, ids: np.ndarray, dtype):
+    """The LM head's rows for ``ids`` as a dense ``[K, D]`` array of ``dtype``, from a model's
+    (or feature head's) pure parameter dict: ``lm_head``'s kernel ``[D, V]`` or the tied embedding
+    ``[V, D]`` (a quantized one stored ``[D, V]``)."""
+    head = pure.get("lm_head")
+    if head is not None:
+        return jnp.asarray(dequantized(head["kernel"], dtype)[:, ids].T, dtype)
+    table = pure["embed_tokens"]
+    if isinstance(table, (jnp.ndarray, np.ndarray)):
+        return jnp.asarray(table[ids], dtype)
+    return jnp.asarray(dequantized(table, dtype)[:, ids].T, dtype)
+
+
+def with_vocab(draft, ids: np.ndarray | None):
+    """``draft`` (a ``Model`` or ``FeatureModel``) with its LM head over ``ids`` only, sharing
+    every other array; ``ids`` None gives ``draft`` with the whole head back."""
+    if ids is None and vocab_size_of(draft) is None:
+        return draft
+    module = nnx.merge(draft.graphdef, draft.params)
+    if ids is None:
+        module.vocab_head = nnx.data(None)
+    else:
+        ids = np.sort(np.asarray(ids, np.int32))
+        cfg = draft.config
+        if ids.size < MIN_SIZE or ids[0] < 0 or ids[-1] >= cfg.vocab_size:
+            raise OptionError(
+                f"a draft vocabulary needs at least {MIN_SIZE} token ids in [0, "
+                f"{cfg.vocab_size}); got {ids.size} from {ids[0]} to {ids[-1]}."
+            )
+        pure = nnx.to_pure_dict(draft.params)
+        rows = head_rows(pure, ids, draft.dtype)
+        module.vocab_head = nnx.data(VocabHead(ids, rows, cfg.vocab_size))
+    graphdef, params = nnx.split(module)
+    name = draft.name.split(" vocab ")[0] + ("" if ids is None else f" vocab {ids.size}")
+    return dataclasses.replace(draft, graphdef=graphdef, params=params, name=name)
+
+
+def vocab_size_of(draft) -> int | None:
+    """How many tokens ``draft``'s head predicts over, or None for the whole vocabulary."""
+    head = draft.params.get("vocab_head") if hasattr(draft.params, "get") else None
+    return None if head is None else int(head["ids"][...].shape[0])
