@@ -19,7 +19,9 @@ Prompts run in the outer loop and methods in the inner one, so load changes on a
 hit every method alike. The JSON is written after every prompt, and ``--budget-s`` stops the run
 in time (every method then has the same prompts). With ``--feature`` (a ``distill --kind
 feature`` draft) two rows join: ``feature`` (chain, the same gamma) and ``feature-tree`` (the
-tree engine's default shape).
+tree engine's default shape). ``--draft-vocab`` sets the drafts' heads (``load_draft``'s
+``vocab``: the most frequent tokens, ``model.vocab_head``); ``--compare-vocab`` runs the
+distilled and feature rows again with another head in the same run (``distilled@full``, ...).
 """
 
 from __future__ import annotations

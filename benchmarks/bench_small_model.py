@@ -25,7 +25,9 @@ piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over s
 and ``first_piece_ms`` the wait for the first piece. ``--random-weights`` measures only that
 section, on random SmolLM2-135M-shape bf16 weights (no GGUF: one GPU call; what a segment boundary
 costs does not depend on the weights), and ``--merge`` puts it into a full run's file with its own
-commit and command (``streaming_run``).
+commit and command (``streaming_run``). ``--draft-vocab`` sets the draft's head (``load_draft``'s
+``vocab``, ``model.vocab_head``; ``draft_vocab`` in the file) and ``--compare-vocab`` adds the
+draft's chain and tree with another head (rows ``chain_draft@full``, ...).
 """
 
 from __future__ import annotations

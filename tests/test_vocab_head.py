@@ -33,6 +33,11 @@ def test_frequent_ids_rank_by_count_lowest_id_first_with_the_forced_ids():
     for bad in (0, V + 1):
         with pytest.raises(OptionError, match="draft vocabulary"):
             frequent_ids(counts, bad)
+    draft = tiny.model(0)
+    for ids in ([], [-1, 3], [2, V]):
+        with pytest.raises(OptionError, match="distinct token ids"):
+            with_vocab(draft, np.array(ids, np.int64))
+    assert vocab_size_of(with_vocab(draft, np.array([5, 3, 5]))) == 2  # each id once
 
 
 @pytest.mark.parametrize("tied", [True, False])

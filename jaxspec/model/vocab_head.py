@@ -36,8 +36,8 @@ from jaxspec.model.layers import dequantized, project
 # tokens a verification); the feature head 0.98x, 1.94x, 1.82x, 1.74x (3.34 / 3.20 / 3.21 /
 # 3.27). GPU: see benchmarks/RESULTS.md (small_model, distill).
 DEFAULT_SIZE: dict[str, int | None] = {"cpu": 4096, "gpu": 16384}
-MIN_SIZE = 1  # any subset is lossless (a tree's children past it are -inf, never accepted by
-# chance: a deterministic child is kept only where the target's own token is that child)
+MIN_SIZE = 1  # any subset is lossless: a tree's children past it (-inf) are deterministic
+# proposals like the others, kept only where the target's own token is that child
 
 
 class VocabHead(nnx.Module):
@@ -95,12 +95,13 @@ def with_vocab(draft, ids: np.ndarray | None):
     if ids is None:
         module.vocab_head = nnx.data(None)
     else:
-        ids = np.sort(np.asarray(ids, np.int32))
+        ids = np.unique(np.asarray(ids, np.int64)).astype(np.int32)  # ascending, each once
         cfg = draft.config
         if ids.size < MIN_SIZE or ids[0] < 0 or ids[-1] >= cfg.vocab_size:
             raise OptionError(
-                f"a draft vocabulary needs at least {MIN_SIZE} token ids in [0, "
-                f"{cfg.vocab_size}); got {ids.size} from {ids[0]} to {ids[-1]}."
+                f"a draft vocabulary needs at least {MIN_SIZE} distinct token ids in [0, "
+                f"{cfg.vocab_size}); got {ids.size}"
+                + (f", from {ids[0]} to {ids[-1]}." if ids.size else ".")
             )
         pure = nnx.to_pure_dict(draft.params)
         rows = head_rows(pure, ids, draft.dtype)
