@@ -137,10 +137,12 @@ def draft_of(args, target):
 
 
 def auto_method(args, target, draft, options: dict):
-    """``--method auto``: chain with the given draft, or on a GPU with the shipped distilled
-    draft for the embedded default model (when it is there and matches), else autoregressive.
-    On a CPU the shipped draft measured 0.71x autoregressive (benchmarks/results/distill.json):
-    its LM head costs a quarter of a target step there."""
+    """``--method auto``: chain with the given draft, or for the embedded default model with its
+    shipped feature head (EAGLE-1), else its small draft, when one is there and matches; else
+    autoregressive. With their heads cut to the most frequent tokens (``model.vocab_head``) the
+    feature head's chain ran 1.78x autoregressive on a CPU (float32, held-out HumanEval) and
+    1.14x on the chat set, the small draft's 1.34x and 0.87x; on an H100 1.69x against 1.22x
+    (benchmarks/RESULTS.md: distill, feature_draft)."""
     if args.method != "auto":
         return args.method, draft
     if draft is not None:
@@ -151,10 +153,11 @@ def auto_method(args, target, draft, options: dict):
             f"{flags} shape speculation, which needs a draft: add --draft ngram (prompt "
             "lookup), --draft self-streaming, or --draft PATH (a checkpoint)."
         )
-    if args.model is None and jax.default_backend() == "gpu":
-        shipped = shipped_draft(target, vocab=args.draft_vocab)
-        if shipped is not None:
-            return "chain", shipped
+    if args.model is None:
+        for kind in ("feature", "model"):
+            shipped = shipped_draft(target, kind=kind, vocab=args.draft_vocab)
+            if shipped is not None:
+                return "chain", shipped
     return "autoregressive", None
 
 

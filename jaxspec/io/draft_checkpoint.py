@@ -284,14 +284,18 @@ def write_token_counts(path: PathLike, stream: np.ndarray, source: str) -> np.nd
     return counts
 
 
-def shipped_draft(target: Model, *, vocab: int | str | None = "default") -> Model | None:
-    """The draft shipped in ``checkpoints/drafts/`` (``jaxspec/shipped/`` in a wheel) for
-    ``target`` (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target;
-    ``vocab`` as ``load_draft``'s."""
-    if not is_draft_checkpoint(SHIPPED):
+def shipped_draft(
+    target: Model, *, kind: str = "model", vocab: int | str | None = "default"
+) -> Network | None:
+    """The draft of ``kind`` ("model": the small draft; "feature": the EAGLE-1 head) shipped in
+    ``checkpoints/drafts/`` (``jaxspec/shipped/`` in a wheel) for ``target``
+    (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target; ``vocab``
+    as ``load_draft``'s."""
+    path = SHIPPED_FEATURE if kind == "feature" else SHIPPED
+    if not is_draft_checkpoint(path):
         return None
     try:
-        return load_draft(SHIPPED, target, vocab=vocab)
+        return load_draft(path, target, vocab=vocab)
     except (DraftError, CheckpointError):
         return None
 

@@ -29,12 +29,14 @@ from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
 from jaxspec.model.layers import dequantized, project
 
-# load_draft's "default" head by backend (None: the whole vocabulary). CPU: the shipped drafts
-# with the real SmolLM2 (float32, 2 cores, chain gamma 4, the first 10 held-out HumanEval
-# prompts, 128 new tokens, one run, 2026-12-06): the small draft 1.07x autoregressive with the
-# whole head, 1.44x at 4096 tokens, 1.39x at 8192, 1.20x at 16384 (2.33 / 2.29 / 2.30 / 2.32
-# tokens a verification); the feature head 0.98x, 1.94x, 1.82x, 1.74x (3.34 / 3.20 / 3.21 /
-# 3.27). GPU: see benchmarks/RESULTS.md (small_model, distill).
+# load_draft's "default" head by backend (None: the whole vocabulary), the shipped drafts with
+# the real SmolLM2, chain gamma 4, 128 new tokens, held-out HumanEval prompts (benchmarks/
+# RESULTS.md, distill). CPU (float32, 2 cores, first 10 prompts, one run): the small draft 1.07x
+# autoregressive with the whole head, 1.44x at 4096 tokens, 1.39x at 8192, 1.20x at 16384 (2.33
+# / 2.29 / 2.30 / 2.32 tokens a verification); the feature head 0.98x, 1.94x, 1.82x, 1.74x (3.34
+# / 3.20 / 3.21 / 3.27). GPU (bf16, one H100, 20 prompts): the feature head 1.50x whole, 1.69x
+# at 16384 (3.39 / 3.33); in the next call 1.64x at 4096 against 1.66x at 16384 (3.14 / 3.24):
+# a launch-bound step cares less for the head's bytes than for the tokens a cut loses.
 DEFAULT_SIZE: dict[str, int | None] = {"cpu": 4096, "gpu": 16384}
 MIN_SIZE = 1  # any subset is lossless: a tree's children past it (-inf) are deterministic
 # proposals like the others, kept only where the target's own token is that child
