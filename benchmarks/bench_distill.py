@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.common import (  # noqa: E402
     RESULTS,
+    add_vocab_args,
     default_target,
     fixed_call,
     humaneval_prompts,
@@ -105,20 +106,12 @@ def device_tag() -> str:
 
 
 def parse(argv=None):
-    from jaxspec.cli.parser import draft_vocab
     from jaxspec.io.draft_checkpoint import SHIPPED
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=str(SHIPPED), help="distilled draft folder")
     ap.add_argument("--feature", default=None, help="a feature draft folder: adds its rows")
-    ap.add_argument(
-        "--draft-vocab", type=draft_vocab, default="default", metavar="N|default|full",
-        help="the drafts' heads: load_draft's vocab (jaxspec.model.vocab_head)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--compare-vocab", type=draft_vocab, default="default", metavar="N|default|full",
-        help="also the distilled and feature drafts' rows with this head (names @N / @full)",
-    )  # fmt: skip
+    add_vocab_args(ap, "the distilled and feature drafts' rows (names @N / @full)")
     ap.add_argument("--model", default=None, help="target checkpoint (default: embedded SmolLM2)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new", type=int, default=128)

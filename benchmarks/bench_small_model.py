@@ -51,9 +51,14 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_host_overhead import SMOLLM2  # noqa: E402
-from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_vocab_args,
+    context_ids,
+    metadata,
+    random_target,
+    write,
+)
 from jaxspec.api import generate, stream  # noqa: E402
-from jaxspec.cli.parser import draft_vocab  # noqa: E402
 from jaxspec.io.convert import load  # noqa: E402
 from jaxspec.io.default_model import default_checkpoint, default_gguf_path  # noqa: E402
 from jaxspec.io.draft_checkpoint import load_draft  # noqa: E402
@@ -299,14 +304,7 @@ def merged(first: str, more: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
-    ap.add_argument(
-        "--draft-vocab", type=draft_vocab, default="default", metavar="N|default|full",
-        help="the draft's head: load_draft's vocab (jaxspec.model.vocab_head)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--compare-vocab", type=draft_vocab, default="default", metavar="N|default|full",
-        help="also the draft's chain and tree with this head (rows chain_draft@N, tree_draft@N)",
-    )  # fmt: skip
+    add_vocab_args(ap, "the draft's chain and tree (rows chain_draft@N, tree_draft@N)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--contexts", default="1024,4096")

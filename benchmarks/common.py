@@ -44,6 +44,19 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def add_vocab_args(ap, rows: str) -> None:
+    """``--draft-vocab`` (the drafts' heads: ``load_draft``'s ``vocab``, jaxspec.model.vocab_head)
+    and ``--compare-vocab`` (``rows`` again, in the same run, with another head)."""
+    from jaxspec.cli.parser import draft_vocab
+
+    for flag, help_ in (
+        ("--draft-vocab", "the drafts' heads: load_draft's vocab (jaxspec.model.vocab_head)"),
+        ("--compare-vocab", f"also {rows} with this head"),
+    ):
+        ap.add_argument(flag, type=draft_vocab, default="default", metavar="N|default|full",
+                        help=help_)  # fmt: skip
+
+
 def humaneval_prompts(n: int | None = None) -> list[str]:
     """HumanEval prompts (OpenAI, MIT licence): see jaxspec.io.datasets."""
     from jaxspec.io.datasets import humaneval
