@@ -30,13 +30,13 @@ from jaxspec.kernels import KernelConfig
 from jaxspec.model.layers import dequantized, project
 
 # load_draft's "default" head by backend (None: the whole vocabulary), the shipped drafts with
-# the real SmolLM2, chain gamma 4, 128 new tokens, held-out HumanEval prompts (benchmarks/
-# RESULTS.md, distill). CPU (float32, 2 cores, first 10 prompts, one run): the small draft 1.07x
-# autoregressive with the whole head, 1.44x at 4096 tokens, 1.39x at 8192, 1.20x at 16384 (2.33
-# / 2.29 / 2.30 / 2.32 tokens a verification); the feature head 0.98x, 1.94x, 1.82x, 1.74x (3.34
-# / 3.20 / 3.21 / 3.27). GPU (bf16, one H100, 20 prompts): the feature head 1.50x whole, 1.69x
-# at 16384 (3.39 / 3.33); in the next call 1.64x at 4096 against 1.66x at 16384 (3.14 / 3.24):
-# a launch-bound step cares less for the head's bytes than for the tokens a cut loses.
+# the real SmolLM2, chain gamma 4, 128 new tokens, the 20 held-out HumanEval prompts
+# (benchmarks/RESULTS.md, distill). CPU (float32, 2 cores): the feature head 0.95x
+# autoregressive with the whole head, 1.78x at 4096 tokens (3.33 / 3.17 tokens a verification),
+# the small draft 1.06x and 1.34x; in another run 8192 against 4096: 1.75x against 1.81x
+# (feature), 1.32x against 1.36x (small). GPU (bf16, one H100): the feature head 1.50x whole,
+# 1.69x at 16384 (3.39 / 3.33); in the next call 1.64x at 4096 against 1.66x at 16384 (3.14 /
+# 3.24): a launch-bound step cares less for the head's bytes than for the tokens a cut loses.
 DEFAULT_SIZE: dict[str, int | None] = {"cpu": 4096, "gpu": 16384}
 MIN_SIZE = 1  # any subset is lossless: a tree's children past it (-inf) are deterministic
 # proposals like the others, kept only where the target's own token is that child
