@@ -5,12 +5,15 @@ subset of one token, one without any token the target emits (zero acceptance) an
 vocabulary with the target as its own draft (full acceptance)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.api import generate
 from jaxspec.errors import OptionError
+from jaxspec.model import tensor_parallel, vocab_head
 from jaxspec.model.feature_head import random_head
+from jaxspec.model.transformer import apply, whole_block
 from jaxspec.model.vocab_head import frequent_ids, vocab_size_of, with_vocab
 from tests import tiny
 
@@ -57,6 +60,35 @@ def test_the_subsets_logits_are_the_whole_heads_and_the_rest_minus_infinity(tied
     assert any(a is b for a in jax.tree.leaves(small.params) for b in jax.tree.leaves(draft.params))
 
 
+@pytest.mark.parametrize("size,k", [(23, 4), (3, 5)])  # k past the subset: the whole row
+def test_the_subsets_own_logits_give_the_whole_rows_children_and_argmax(size, k):
+    """``apply(..., subset=True)`` (the draft steps' logits: no scatter into the vocabulary)
+    read through ``vocab_head.top_log_probs`` / ``argmax`` give what the whole-vocabulary
+    logits give through ``tensor_parallel``'s."""
+    draft = tiny.model(6)
+    ids = np.sort(np.random.default_rng(size).choice(V, size, replace=False))
+    small = with_vocab(draft, ids)
+    net, tokens = small.net(), jnp.asarray(tiny.prompts(1, lengths=(9,))[0])[None]
+
+    @jax.jit
+    def both(flat):
+        cache, block = whole_block(net.cfg, 1, tokens.shape[1], net.dtype)
+        cut, _ = apply(net, flat, tokens, cache, block, subset=True)
+        full, _ = apply(net, flat, tokens, cache, block)
+        ours = vocab_head.top_log_probs(net, flat, cut, k), vocab_head.argmax(net, flat, cut)
+        theirs = tensor_parallel.top_log_probs(net, full, k), tensor_parallel.argmax(net, full)
+        return cut, full, ours, theirs
+
+    cut, full, (top, best), (want_top, want_best) = both(small.flat)
+    assert cut.shape == (1, 9, size)
+    np.testing.assert_array_equal(cut, np.asarray(full)[..., ids])
+    np.testing.assert_array_equal(top[0], want_top[0])
+    np.testing.assert_allclose(top[1], want_top[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(best, want_best)
+    if k > size:  # the children past the subset: -inf
+        assert np.all(np.isneginf(np.asarray(top[1])[..., size:]))
+
+
 def _subset(seed: int, size: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(V, size, replace=False))
 
@@ -66,8 +98,9 @@ CASES = [  # method, options, subset size
     ("chain", dict(gamma=2), 1),
     ("tree", dict(depth=3, width=2, branch=3, bs=6), 12),
     ("magicdec", dict(gamma=3, sparse="dense"), 40),
+    ("tree", dict(depth=3, width=2, branch=3, bs=6), 2),  # branch past the subset
 ]
-FAST = {(0, 0), (1, 0), (2, 1), (3, 2)}  # (case, seed) in the default run; the rest are slow
+FAST = {(0, 0), (1, 0), (2, 1), (3, 2), (4, 0)}  # (case, seed) in the default run
 
 
 @pytest.mark.parametrize(

@@ -67,9 +67,11 @@ class FeatureHead(nnx.Module):
         block: Block,
         select: Int[Array, "b l"] | None,
         kernels: KernelConfig,
+        subset: bool = False,
     ) -> tuple[Float[Array, "b l v"], Float[Array, "b l d"], KVCache]:
         """Logits (float32) and the predicted next states ``g`` at ``select`` (all T if None),
-        and the cache with the block's K/V written (``cache.length`` unchanged)."""
+        and the cache with the block's K/V written (``cache.length`` unchanged). ``subset``: a
+        cut head's logits over its subset only (``transformer.apply``)."""
         e = self.embed_tokens[...][tokens]
         x = self.fc(jnp.concatenate([e, feats.astype(e.dtype)], axis=-1), kernels)
         cos, sin = rope_tables(self.cfg, block.positions)
@@ -81,16 +83,19 @@ class FeatureHead(nnx.Module):
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         if self.vocab_head is not None:
-            return self.vocab_head(x, kernels), x, KVCache(k=ks, v=vs, length=cache.length)
+            return self.vocab_head(x, kernels, subset), x, KVCache(k=ks, v=vs, length=cache.length)
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head.kernel[...]
         logits = matmul(x, head, kernels.gemm_rows, jnp.float32)
         return logits, x, KVCache(k=ks, v=vs, length=cache.length)
 
 
-def apply_head(net: Net, flat, tokens, feats, cache: KVCache, block: Block, select=None):
-    """Pure forward of the feature head ``net`` describes: ``(logits, g, cache)``."""
+def apply_head(
+    net: Net, flat, tokens, feats, cache: KVCache, block: Block, select=None, subset=False
+):
+    """Pure forward of the feature head ``net`` describes: ``(logits, g, cache)``; ``subset``
+    as ``transformer.apply``'s."""
     module = nnx.merge(net.graphdef, net.params(flat))
-    return module(tokens, feats, cache, block, select, net.kernels)
+    return module(tokens, feats, cache, block, select, net.kernels, subset)
 
 
 def head_prefill(net: Net, flat, cache: KVCache, ids, feats, lens) -> KVCache:

@@ -148,12 +148,14 @@ class Transformer(nnx.Module):
         kernels: KernelConfig,
         features: tuple[int, ...] | None = None,
         parallel: tensor_parallel.Collectives | None = None,
+        subset: bool = False,
     ):
         """Logits (float32) at ``select`` positions of the block (all T if None), and the cache
         with this block's K/V written. ``cache.length`` is unchanged: the caller commits. With
         ``features`` (see ``apply``) also the hidden states they name at every block position.
         ``parallel``: one device's part of the explicit tensor-parallel step (its vocabulary
-        slice of the embedding and of the logits, its heads)."""
+        slice of the embedding and of the logits, its heads). ``subset``: a cut head's logits over
+        its subset only (see ``apply``)."""
         b, t = tokens.shape
         table = weight_of(self.embed_tokens)
         x = embed_rows(table, tokens) if parallel is None else parallel.embed(table, tokens)
@@ -184,19 +186,19 @@ class Transformer(nnx.Module):
                     taps[i] = x
         x = tokens_of(x, b, t, -1)
         cache = KVCache(k=ks, v=vs, length=cache.length)
-        logits = self._logits(x, select, kernels)
+        logits = self._logits(x, select, kernels, subset)
         if features is None:
             return logits, cache
         taps = {i: tokens_of(y, b, t, -1) for i, y in taps.items()}
         taps[FINAL] = self.norm(x, kernels)  # what the LM head reads, at every position
         return logits, cache, jnp.concatenate([taps[i] for i in features], axis=-1)
 
-    def _logits(self, x, select, kernels: KernelConfig) -> Float[Array, "b l v"]:
+    def _logits(self, x, select, kernels: KernelConfig, subset=False) -> Float[Array, "b l v"]:
         if select is not None:
             x = jnp.take_along_axis(x, select[..., None], axis=1)
         x = self.norm(x, kernels)
         if self.vocab_head is not None:
-            return self.vocab_head(x, kernels)
+            return self.vocab_head(x, kernels, subset)
         w, stored = self.head()
         return project(x, w, kernels, jnp.float32, w_out_in=stored)
 
@@ -256,7 +258,9 @@ class Net:
         return Net(self.graphdef, self.cfg, kernels, self.treedef, self.dtype, self.tp)
 
 
-def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, features=None):
+def apply(
+    net: Net, flat, tokens, cache: KVCache, block: Block, select=None, features=None, subset=False
+):
     """Pure forward of the model ``net`` describes, on its flat parameter leaves ``flat``
     (merged at trace time). Call inside a jit. Returns ``(logits, cache)``.
 
@@ -266,14 +270,19 @@ def apply(net: Net, flat, tokens, cache: KVCache, block: Block, select=None, fea
     decoder layer i, ``FINAL`` (-1) the final norm's output (what the LM head reads). Only a
     call that asks traces them; the logits are computed the same way either way.
 
+    ``subset`` (static): a draft whose head is cut to a subset of the vocabulary
+    (``model.vocab_head``) returns its logits over that subset only, ``[b, l, K]``, with no
+    scatter into the whole vocabulary; read them through ``vocab_head.top_log_probs`` and
+    ``vocab_head.argmax``. Without a cut head, or under the explicit tensor-parallel step, it
+    changes nothing.
+
     Under the explicit tensor-parallel step the logits come split over the vocabulary: read
     them through ``tensor_parallel.argmax`` and its kin (the features are whole)."""
     if tensor_parallel.active(net):
         return tensor_parallel.forward(net, flat, tokens, cache, block, select, features)
     module = nnx.merge(net.graphdef, net.params(flat))
-    if features is None:
-        return module(tokens, cache, block, select, net.kernels)
-    return module(tokens, cache, block, select, net.kernels, tuple(features))
+    feats = None if features is None else tuple(features)
+    return module(tokens, cache, block, select, net.kernels, feats, subset=subset)
 
 
 def embed(net: Net, flat, tokens):

@@ -23,10 +23,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from jaxspec.errors import OptionError
 from jaxspec.kernels import KernelConfig
+from jaxspec.model import tensor_parallel
 from jaxspec.model.layers import dequantized, project
 
 # load_draft's "default" head by backend (None: the whole vocabulary), the shipped drafts with
@@ -50,13 +51,51 @@ class VocabHead(nnx.Module):
         self.rows = nnx.Param(rows)
         self.vocab_size = vocab_size
 
-    def __call__(self, x, kernels: KernelConfig) -> Float[Array, "b l v"]:
+    def __call__(self, x, kernels: KernelConfig, subset: bool = False) -> Float[Array, "b l v"]:
         """Float32 logits over the whole vocabulary from ``x [b, l, d]`` (the state the LM head
-        reads): the subset's products, ``-inf`` elsewhere. Ascending ids keep ``argmax``'s tie
-        order (the lowest id) among the subset."""
+        reads): the subset's products, ``-inf`` elsewhere; ``subset``: the products alone,
+        ``[b, l, K]``. Ascending ids keep ``argmax``'s tie order (the lowest id) among the
+        subset."""
         small = project(x, self.rows[...], kernels, jnp.float32, w_out_in=True)
-        full = jnp.full((*small.shape[:-1], self.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., self.ids[...]].set(small)
+        return small if subset else whole(small, self.ids[...], self.vocab_size)
+
+
+def whole(small: Float[Array, "*b k"], ids: Int[Array, " k"], vocab_size: int):
+    """Logits over a subset ``ids`` as logits over the whole vocabulary (``-inf`` elsewhere)."""
+    full = jnp.full((*small.shape[:-1], vocab_size), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(small)
+
+
+def ids_of(net, flat) -> Int[Array, " k"] | None:
+    """At trace time, the token ids of the cut head of the model ``net`` describes, or None
+    where ``transformer.apply(..., subset=True)`` gives whole-vocabulary logits: a whole head,
+    or the explicit tensor-parallel step."""
+    if tensor_parallel.active(net):
+        return None
+    head = net.params(flat).get("vocab_head")
+    return None if head is None else head["ids"][...]
+
+
+def top_log_probs(net, flat, logits, k: int) -> tuple[Int[Array, "*b k"], Float[Array, "*b k"]]:
+    """``tensor_parallel.top_log_probs`` (a tree's children: the ``k`` most likely tokens, best
+    first, and their log-probabilities) of logits from ``apply(..., subset=True)``: over the
+    subset's ``K`` entries alone (its log-softmax is the whole row's, whose other entries are
+    ``-inf``; ties keep the lowest id, the ids ascending). A ``k`` past ``K`` takes the whole
+    row, whose children past the subset are the lowest ids outside it at ``-inf``."""
+    ids = ids_of(net, flat)
+    if ids is not None and k > ids.shape[0]:
+        logits, ids = whole(logits, ids, net.cfg.vocab_size), None
+    tok, lp = tensor_parallel.top_log_probs(net, logits, k)
+    return (tok if ids is None else ids[tok]), lp
+
+
+def argmax(net, flat, logits) -> Int[Array, "*b"]:
+    """The greedy token of logits from ``apply(..., subset=True)``: the lowest id of the
+    subset's highest logit."""
+    ids = ids_of(net, flat)
+    if ids is None:
+        return tensor_parallel.argmax(net, logits)
+    return ids[jnp.argmax(logits, axis=-1)]
 
 
 def frequent_ids(counts: np.ndarray, size: int, always=()) -> np.ndarray:

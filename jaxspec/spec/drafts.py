@@ -38,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxspec.errors import DraftError, OptionError
 from jaxspec.kernels import KernelConfig
-from jaxspec.model import tensor_parallel
+from jaxspec.model import tensor_parallel, vocab_head
 from jaxspec.model.feature_head import FeatureModel
 from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, commit_ring, init_cache
 from jaxspec.model.prefill import prefill
@@ -114,13 +114,17 @@ class ModelDraft:
         then one forward per draft token, each seeing the prefix and every earlier block slot."""
         width = gamma + 1  # block: up to 2 pending + gamma - 1 fed draft tokens
         block = causal_block(s.cache.length, s.seen, s.npend, 2)
+        greedy = sampling.greedy  # then the token alone: logits over a cut head's subset
         logits, cache = apply(
-            self.net, params, s.pending, s.cache, block, select=(s.npend - 1)[:, None]
+            self.net, params, s.pending, s.cache, block, (s.npend - 1)[:, None], subset=greedy
         )
         toks, qs = [], []
         for i in range(gamma):
             key, sub = jax.random.split(key)
-            toks.append(sample(sub, logits[:, 0], sampling, self.net))
+            if greedy:
+                toks.append(vocab_head.argmax(self.net, params, logits[:, 0]))
+            else:
+                toks.append(sample(sub, logits[:, 0], sampling, self.net))
             qs.append(self.q(logits[:, 0], toks[-1], sampling))
             if i == gamma - 1:
                 break
@@ -130,7 +134,7 @@ class ModelDraft:
                 slots=(s.cache.length + off)[:, None],
                 block_mask=jnp.arange(width)[None, None, :] <= off[:, None, None],
             )
-            logits, cache = apply(self.net, params, toks[-1][:, None], cache, blk)
+            logits, cache = apply(self.net, params, toks[-1][:, None], cache, blk, subset=greedy)
         return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
 
     def q(self, logits, tok, sampling: Sampling):

@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxspec.model import vocab_head
 from jaxspec.model.feature_head import apply_head, head_prefill
 from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, init_cache
 from jaxspec.model.transformer import Net
 from jaxspec.pytree import pytree_dataclass
 from jaxspec.spec import tree as T
-from jaxspec.spec.acceptance import top_children
 from jaxspec.spec.sampling import Sampling, probs, sample
 
 
@@ -65,13 +65,14 @@ def start(net: Net, params, pre, first_token, width: int, room: int) -> Pending:
     return Pending(cache, tokens, feats, jnp.ones((b,), jnp.int32))
 
 
-def feed(net: Net, params, p: Pending):
+def feed(net: Net, params, p: Pending, subset: bool = False):
     """The pending pairs as one ragged block: ``(logits [b, v], g [b, 1, d], cache)`` of the
-    last pending pair (the first draft distribution and state), its K/V written."""
+    last pending pair (the first draft distribution and state), its K/V written; ``subset``
+    as ``transformer.apply``'s."""
     length = p.cache.length
     block = causal_block(length, length, p.count, p.tokens.shape[1])
     logits, g, cache = apply_head(
-        net, params, p.tokens, p.feats, p.cache, block, (p.count - 1)[:, None]
+        net, params, p.tokens, p.feats, p.cache, block, (p.count - 1)[:, None], subset
     )
     return logits[:, 0], g, cache
 
@@ -102,13 +103,18 @@ class FeatureDraft:
     def propose(self, params, s: Pending, key, gamma: int, sampling: Sampling):
         """gamma tokens in gamma forwards: the pending block, then one forward per token on the
         head's own state, each seeing the prefix, the pending pairs and the earlier drafts."""
-        logits, g, cache = feed(self.net, params, s)
+        greedy = sampling.greedy  # then the token alone: logits over a cut head's subset
+        logits, g, cache = feed(self.net, params, s, subset=greedy)
         width = s.tokens.shape[1] + gamma
         toks, qs = [], []
         for i in range(gamma):
             key, sub = jax.random.split(key)
-            toks.append(sample(sub, logits, sampling))
-            qs.append(probs(logits, sampling))
+            if greedy:
+                toks.append(vocab_head.argmax(self.net, params, logits))
+                qs.append(jax.nn.one_hot(toks[-1], self.net.cfg.vocab_size, dtype=jnp.float32))
+            else:
+                toks.append(sample(sub, logits, sampling))
+                qs.append(probs(logits, sampling))
             if i == gamma - 1:
                 break
             at = s.cache.length + s.count + i  # slot and position of draft token i's pair
@@ -117,7 +123,9 @@ class FeatureDraft:
                 slots=at[:, None],
                 block_mask=jnp.arange(width)[None, None, :] <= (s.count + i)[:, None, None],
             )
-            out, g, cache = apply_head(self.net, params, toks[-1][:, None], g, cache, blk)
+            out, g, cache = apply_head(
+                self.net, params, toks[-1][:, None], g, cache, blk, subset=greedy
+            )
             logits = out[:, 0]
         return jnp.stack(toks, 1), jnp.stack(qs, 1), dataclasses.replace(s, cache=cache)
 
@@ -170,11 +178,11 @@ class FeatureTreeDraft:
 
     def grow(self, params, s: FeatureTreeState, *, expansions: int, width: int, branch: int):
         p = s.pending
-        logits, g, cache = feed(self.net, params, p)
+        logits, g, cache = feed(self.net, params, p, subset=True)
         cache = advance(cache, p.count - 1)  # the root's pair stays at slot cache.length
         root = jnp.zeros((p.count.shape[0], 1), jnp.int32)
-        tree, state, expanded = self._add(s.tree, s.state, s.expanded, root, logits[:, None], g,
-                                          branch)  # fmt: skip
+        tree, state, expanded = self._add(params, s.tree, s.state, s.expanded, root,
+                                          logits[:, None], g, branch)  # fmt: skip
         for _ in range(expansions - 1):
             leaves = T.best_leaves(tree, width, expanded)
             # run only leaves whose children fit: a node run without adding children is wasted
@@ -183,14 +191,14 @@ class FeatureTreeDraft:
             tokens, block = T.expand_layout(tree, leaves, cache.length, cache.length)
             parents = jnp.take_along_axis(tree.parent, jnp.maximum(leaves, 0), 1)
             inputs = jnp.take_along_axis(state, jnp.maximum(parents, 0)[..., None], 1)
-            out, g, cache = apply_head(self.net, params, tokens, inputs, cache, block)
-            tree, state, expanded = self._add(tree, state, expanded, leaves, out, g, branch)
+            out, g, cache = apply_head(self.net, params, tokens, inputs, cache, block, subset=True)
+            tree, state, expanded = self._add(params, tree, state, expanded, leaves, out, g, branch)
         return FeatureTreeState(dataclasses.replace(p, cache=cache), tree, state, expanded)
 
-    def _add(self, tree: T.Tree, state, expanded, leaves, logits, g, branch: int):
+    def _add(self, params, tree: T.Tree, state, expanded, leaves, logits, g, branch: int):
         """Each run leaf's top-``branch`` children added, its predicted state kept."""
         n = tree.capacity
-        child_tok, child_lp = top_children(jax.nn.log_softmax(logits, axis=-1), branch)
+        child_tok, child_lp = vocab_head.top_log_probs(self.net, params, logits, branch)
         tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
         rows = jnp.arange(leaves.shape[0])[:, None]
         dst = jnp.where(leaves >= 0, leaves, n)

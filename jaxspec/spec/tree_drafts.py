@@ -26,7 +26,7 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from jaxspec.model import tensor_parallel
+from jaxspec.model import vocab_head
 from jaxspec.model.kv_cache import Block, KVCache, advance, move
 from jaxspec.model.transformer import Net, apply
 from jaxspec.pytree import pytree_dataclass
@@ -94,9 +94,9 @@ class ModelTreeDraft:
                     slots=jnp.concatenate([s.catchup_slot[:, None], block.slots], 1),
                     block_mask=jnp.concatenate([jnp.zeros((b, 1, n), bool), block.block_mask], 1),
                 )
-            logits, cache = apply(self.net, params, tokens, cache, block)
-            child_tok, child_lp = tensor_parallel.top_log_probs(
-                self.net, logits[:, 1:] if e == 0 else logits, branch
+            logits, cache = apply(self.net, params, tokens, cache, block, subset=True)
+            child_tok, child_lp = vocab_head.top_log_probs(
+                self.net, params, logits[:, 1:] if e == 0 else logits, branch
             )
             tree, new_ids = T.add_children(tree, leaves, child_tok, child_lp)
             ran = jnp.arange(n)[None, None, :] == leaves[:, :, None]  # [b, w, n]
