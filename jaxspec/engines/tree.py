@@ -39,7 +39,9 @@ class TreeShape:
     for 4 (2.83) and 2010 for the gamma-4 chain (2.41): a fourth expansion of 8 leaves costs more
     than the 0.12 tokens it adds. Deeper with bs 16 (6x8x4x16): 1997; one leaf an expansion: 6
     deep 1777. As the default, in the next call (c21442e): 2122 against the chain's 2044; at
-    05874ae on another H100 (small_model.json) 2039 against 2003."""
+    05874ae on another H100 2039 against 2003. With the drafts' heads cut to 16384 tokens (one
+    H200, 6b5bd44, small_model.json) it still leads the deeper shapes: 2205 tok/s against 2072
+    for 4 expansions and 2027 for 6x8x4x16 (the gamma-4 chain 2316)."""
 
     depth: int = 3
     width: int = 8
