@@ -1,7 +1,8 @@
 """Where a speculative round's GPU time goes: chains against trees with the same draft, through
 ``generate()`` at batch 1, the kernels of each round from a profiler trace.
 
-    python benchmarks/probe_rounds.py --random [--only chain_draft,tree_draft] [--out F.json]
+    python benchmarks/probe_rounds.py --random [--only chain_draft,tree_draft] [--draft-vocab N]
+        [--out F.json]
     python benchmarks/probe_rounds.py --draft DIR [--out F.json]   # the real SmolLM2 (GGUF)
 
 Rows: autoregressive; chain and tree with prompt lookup over the same 8 tokens (chain gamma 8,
@@ -10,7 +11,8 @@ chain (gamma 4) and the default tree with a 2-layer draft. Each row: ``generate(
 tokens after a 1K context, median of ``--repeats`` calls after a warm-up (``engine_ms``, the
 engine's own wall), its rounds (new tokens over the acceptance length) and, from a profiler trace
 of one more call, kernels and GPU busy time per round and the kernels that take it (names with
-their numbers stripped: ``[name, calls, us a round, calls a round]``).
+their numbers stripped: ``[name, calls, us a round, calls a round]``) and, by the source line
+each kernel's root op was traced at (``by_source``), where a round's GPU time goes in the code.
 
 ``--random``: random bf16 weights of the SmolLM2-135M shape and a random 2-layer draft of the
 shipped draft's shape (no GGUF: one GPU call). What a round costs depends on its kernels, not on
@@ -42,8 +44,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
 from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
-from benchmarks.trace_gaps import busy_intervals, device_events  # noqa: E402
+from benchmarks.trace_gaps import _stats, busy_intervals, device_events  # noqa: E402
 from jaxspec.api import generate  # noqa: E402
+from jaxspec.engines import programs  # noqa: E402
+from jaxspec.model.vocab_head import with_vocab  # noqa: E402
 
 SHAPES = (  # the real model's extra trees: (name, options)
     ("tree_d4w2b2bs6", {"depth": 4, "width": 2, "branch": 2, "bs": 6}),
@@ -58,8 +62,89 @@ def kernel_name(name: str) -> str:
     return re.sub(r"[._]\d+", "", name)[:60]
 
 
-def traced(model, ids, new, rounds, **kw) -> dict:
-    """Kernels and GPU busy time per round of one ``generate`` call, from a profiler trace."""
+def _table(text: str, name: str) -> dict[int, str]:
+    """One of the id tables an optimized HLO text ends with (``FileNames``, ``StackFrames``...)."""
+    at = text.find("\n" + name + "\n")
+    rows = text[at + 1 :].split("\n\n")[0].splitlines()[1:] if at >= 0 else []
+    return {int(r.split(" ", 1)[0]): r.split(" ", 1)[1] for r in rows}
+
+
+def _fields(row: str) -> dict[str, str]:
+    return dict(f.split("=", 1) for f in row.strip("{}").split())
+
+
+def _short(path: str) -> str:
+    return re.sub(r".*/(jaxspec|pallas_kernels)/", r"\1/", path)
+
+
+def _where(frame: int, frames: dict, locs: dict) -> str | None:
+    """``hlo_sources``' label of a stack frame: its innermost own frame and algorithm line."""
+    mine, algo, seen = None, None, set()
+    while frame in frames and frame not in seen and algo is None:
+        seen.add(frame)
+        path, line = locs.get(int(frames[frame]["file_location_id"]), ("?", "?"))
+        here = f"{_short(path)}:{line}"
+        if mine is None and here.startswith(("jaxspec/", "pallas_kernels/")):
+            mine = here
+        if here.startswith(("jaxspec/engines/", "jaxspec/spec/")):
+            algo = here
+        frame = int(frames[frame]["parent_frame_id"]) - 1
+    if mine is None:
+        return None
+    return mine if algo in (None, mine) else f"{mine} < {algo}"
+
+
+def hlo_sources(texts) -> dict[tuple[str, str], str]:
+    """``(module, instruction) -> where``, from optimized HLO texts: the innermost ``jaxspec`` or
+    ``pallas_kernels`` frame of the stack each kernel's root op was traced under, and the
+    innermost one in ``jaxspec/engines`` or ``jaxspec/spec`` below it (the algorithm's line),
+    e.g. ``jaxspec/model/layers.py:65 < jaxspec/engines/tree.py:156``; instructions named as a
+    trace names them (dots and dashes as underscores). The text's ``stack_frame_id`` refers to
+    its ``StackFrames`` table, whose ``parent_frame_id`` is one past the parent's id."""
+    out = {}
+    for text in texts:
+        head = re.match(r"HloModule (\S+?),", text)
+        module = head.group(1) if head else ""
+        files = {k: v.strip('"') for k, v in _table(text, "FileNames").items()}
+        locs = {}
+        for k, v in _table(text, "FileLocations").items():
+            f = _fields(v)
+            locs[k] = (files.get(int(f["file_name_id"]), "?"), f["line"])
+        frames = {k: _fields(v) for k, v in _table(text, "StackFrames").items()}
+
+        for line in text.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", line)
+            if m:
+                w = _where(int(m.group(2)), frames, locs)
+                if w is not None:
+                    out[module, re.sub(r"[.\-]", "_", m.group(1))] = w
+    return out
+
+
+def kernel_ops(folder: str) -> list[tuple[int, str, str, str]]:
+    """Each kernel of the newest trace under ``folder``: (ns, name, its HLO module, its HLO op)."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(pathlib.Path(folder).glob("**/*.xplane.pb"))
+    out = []
+    for plane in ProfileData.from_file(str(paths[-1])).planes if paths else []:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for ev in line.events:
+                stats = {str(k): v for k, v in _stats(ev)}
+                module = str(stats.get("hlo_module", ""))
+                op = str(stats.get("hlo_op", ev.name))
+                out.append((ev.duration_ns, ev.name, module, re.sub(r"[.\-]", "_", op)))
+    return out
+
+
+def traced(model, ids, new, rounds, sources, **kw) -> dict:
+    """Kernels and GPU busy time per round of one ``generate`` call, from a profiler trace; with
+    ``sources`` (``hlo_sources`` of the call's programs) also by the source line of each kernel's
+    root op (``[file:line, us a round, kernels a round]``)."""
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
         generate(model, [ids], max_new_tokens=new, **kw)
@@ -70,15 +155,26 @@ def traced(model, ids, new, rounds, **kw) -> dict:
         per[kernel_name(name)][0] += 1
         per[kernel_name(name)][1] += dur
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:40]
+    by_line = collections.defaultdict(lambda: [0, 0])
+    for dur, name, module, op in kernel_ops(folder):
+        where = sources.get((module, op)) or f"{kernel_name(name)} (no source)"
+        by_line[where][0] += dur
+        by_line[where][1] += 1
+    lines = sorted(by_line.items(), key=lambda kv: -kv[1][0])[:60]
     return {
         "kernels_per_round": round(len(kernels) / rounds, 1),
         "busy_us_per_round": round(busy / rounds, 1),
         "top": [[n, c, round(t / 1e3 / rounds, 2), round(c / rounds, 2)] for n, (c, t) in top],
+        "by_source": [[w, round(t / 1e3 / rounds, 2), round(c / rounds, 2)] for w, (t, c) in lines],
     }
 
 
 def row(model, ids, new, repeats, **kw) -> dict:
+    before = set(programs._COMPILED)
     generate(model, [ids], max_new_tokens=new, **kw)
+    sources = hlo_sources(  # this row's own programs (a module name repeats across rows)
+        exe.as_text() for key, exe in programs._COMPILED.items() if key not in before
+    )
     walls, last = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -96,7 +192,7 @@ def row(model, ids, new, repeats, **kw) -> dict:
         "engine_ms_per_round": round(1e3 * engine / rounds, 4),
     }
     if jax.default_backend() == "gpu":
-        out.update(traced(model, ids, new, rounds, **kw))
+        out.update(traced(model, ids, new, rounds, sources, **kw))
     return out
 
 
@@ -107,6 +203,9 @@ def models(args):
         target = random_target(SMOLLM2_135M, dtype=jnp.bfloat16)
         shape = dataclasses.replace(SMOLLM2_135M, num_layers=2, intermediate_size=512)
         draft = new_model(shape, seed=1, dtype=jnp.bfloat16)
+        if args.draft_vocab:  # a cut head as the shipped drafts have: random ids (lossless)
+            rng = np.random.default_rng(2)
+            draft = with_vocab(draft, rng.choice(shape.vocab_size, args.draft_vocab, False))
         draft.kernels = target.kernels
         ids = np.random.RandomState(0).randint(4, SMOLLM2_135M.vocab_size, args.ctx - args.new)
         return target, draft, ids.tolist(), "random SmolLM2-135M-shape weights (bfloat16)"
@@ -129,6 +228,9 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument(
+        "--draft-vocab", type=int, default=0, help="with --random: cut the draft's head to N ids"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not args.random and not args.draft:

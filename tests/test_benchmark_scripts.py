@@ -114,3 +114,21 @@ def test_merging_two_small_model_calls_keeps_each_runs_figures(tmp_path):
     first["float32_check"] = {"tree": False}
     paths[0].write_text(json.dumps(first))
     assert bsm.merged(*map(str, paths))["float32_check"] == {"tree": False}
+
+
+def test_the_round_probe_finds_each_kernels_source_line():
+    """``probe_rounds.hlo_sources`` reads the stack tables of an optimized HLO text: each op of a
+    compiled ``jaxspec`` function maps to the line that traced it."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.probe_rounds import hlo_sources
+    from jaxspec import ranking
+
+    text = jax.jit(lambda x: ranking.top_k(x, 3)).lower(jnp.ones((2, 40))).compile().as_text()
+    where = set(hlo_sources([text]).values())
+    lines, start = inspect.getsourcelines(ranking.top_k)
+    own = {f"jaxspec/ranking.py:{n}" for n in range(start, start + len(lines))}
+    assert where and any(w.split(" < ")[0] in own for w in where), where

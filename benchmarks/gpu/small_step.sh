@@ -40,8 +40,11 @@ if [ "${1:-}" = rounds ]; then
   # `bash benchmarks/gpu/small_step.sh rounds` (~2 min): where a speculative round's time goes,
   # chains against trees with the same draft, through generate() at batch 1 (probe_rounds.py:
   # random SmolLM2-shape weights and a random 2-layer draft, kernels per round from a profiler
-  # trace). No GGUF. Writes $OUT/spec_rounds.json (results/spec_rounds.json).
-  bench spec_rounds 300 python3 benchmarks/probe_rounds.py --random --out "$OUT/spec_rounds.json"
+  # trace, and by the source line that traced each kernel; the draft's head cut to 16384 random
+  # ids, as the shipped drafts' GPU default). No GGUF. Writes $OUT/spec_rounds.json
+  # (results/spec_rounds.json). More options after `rounds` go to the probe (--only ROWS).
+  bench spec_rounds 300 python3 benchmarks/probe_rounds.py --random --draft-vocab 16384 \
+    --out "$OUT/spec_rounds.json" "${@:2}"
   exit
 fi
 if [ "${1:-}" = verify ]; then
