@@ -95,7 +95,8 @@ def _where(frame: int, frames: dict, locs: dict) -> str | None:
 
 
 def hlo_sources(texts) -> dict[tuple[str, str], str]:
-    """``(module, instruction) -> where``, from optimized HLO texts: the innermost ``jaxspec`` or
+    """``(module, instruction) -> where`` (and ``instruction -> where``, the first module's),
+    from optimized HLO texts: the innermost ``jaxspec`` or
     ``pallas_kernels`` frame of the stack each kernel's root op was traced under, and the
     innermost one in ``jaxspec/engines`` or ``jaxspec/spec`` below it (the algorithm's line),
     e.g. ``jaxspec/model/layers.py:65 < jaxspec/engines/tree.py:156``; instructions named as a
@@ -117,16 +118,19 @@ def hlo_sources(texts) -> dict[tuple[str, str], str]:
             if m:
                 w = _where(int(m.group(2)), frames, locs)
                 if w is not None:
-                    out[module, re.sub(r"[.\-]", "_", m.group(1))] = w
+                    name = re.sub(r"[.\-]", "_", m.group(1))
+                    out[module, name] = w
+                    out.setdefault(name, w)  # by name alone: a trace's module may differ
     return out
 
 
-def kernel_ops(folder: str) -> list[tuple[int, str, str, str]]:
-    """Each kernel of the newest trace under ``folder``: (ns, name, its HLO module, its HLO op)."""
+def kernel_ops(folder: str) -> tuple[list[tuple[int, str, str, str]], dict]:
+    """Each kernel of the newest trace under ``folder``: (ns, name, its HLO module, its HLO op),
+    and the stats the first kernel event carries (what a trace names them: for diagnosis)."""
     from jax.profiler import ProfileData
 
     paths = sorted(pathlib.Path(folder).glob("**/*.xplane.pb"))
-    out = []
+    out, sample = [], {}
     for plane in ProfileData.from_file(str(paths[-1])).planes if paths else []:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -135,10 +139,21 @@ def kernel_ops(folder: str) -> list[tuple[int, str, str, str]]:
                 continue
             for ev in line.events:
                 stats = {str(k): v for k, v in _stats(ev)}
+                if not sample and "fusion" in ev.name:
+                    sample = {"name": ev.name, **{k: str(v)[:120] for k, v in stats.items()}}
                 module = str(stats.get("hlo_module", ""))
                 op = str(stats.get("hlo_op", ev.name))
                 out.append((ev.duration_ns, ev.name, module, re.sub(r"[.\-]", "_", op)))
-    return out
+    return out, sample
+
+
+def source_of(sources: dict, module: str, op: str, name: str) -> str | None:
+    """``hlo_sources``' label of a traced kernel: by its module and op, else by its op or its
+    kernel name in any of the row's modules (a fusion's kernel is named after it)."""
+    for key in ((module, op), op, re.sub(r"[.\-]", "_", name)):
+        if key in sources:
+            return sources[key]
+    return None
 
 
 def traced(model, ids, new, rounds, sources, **kw) -> dict:
@@ -156,8 +171,9 @@ def traced(model, ids, new, rounds, sources, **kw) -> dict:
         per[kernel_name(name)][1] += dur
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:40]
     by_line = collections.defaultdict(lambda: [0, 0])
-    for dur, name, module, op in kernel_ops(folder):
-        where = sources.get((module, op)) or f"{kernel_name(name)} (no source)"
+    ops, sample = kernel_ops(folder)
+    for dur, name, module, op in ops:
+        where = source_of(sources, module, op, name) or f"{kernel_name(name)} (no source)"
         by_line[where][0] += dur
         by_line[where][1] += 1
     lines = sorted(by_line.items(), key=lambda kv: -kv[1][0])[:60]
@@ -166,6 +182,7 @@ def traced(model, ids, new, rounds, sources, **kw) -> dict:
         "busy_us_per_round": round(busy / rounds, 1),
         "top": [[n, c, round(t / 1e3 / rounds, 2), round(c / rounds, 2)] for n, (c, t) in top],
         "by_source": [[w, round(t / 1e3 / rounds, 2), round(c / rounds, 2)] for w, (t, c) in lines],
+        "kernel_stats_sample": sample,
     }
 
 
