@@ -14,6 +14,11 @@ token is accepted with probability ``min(1, p / q)`` and a rejection resamples f
 0)``, which holds the tokens the draft cannot propose; greedy, the target's argmax is kept
 whatever the draft proposed. What ``K`` changes is the acceptance length (a token outside the
 subset is never drafted) and the draft step's cost.
+
+Where a draft step needs only its best tokens (a tree's children, a greedy chain's token) it
+reads the ``K`` logits themselves (``transformer.apply(..., subset=True)``, then
+``top_log_probs`` / ``argmax`` here), with no scatter into the whole vocabulary; sampling
+chains take the whole row (``q`` over the vocabulary).
 """
 
 from __future__ import annotations
