@@ -44,7 +44,13 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.common import context_ids, metadata, random_target, write  # noqa: E402
 from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
-from benchmarks.trace_gaps import _stats, busy_intervals, device_events  # noqa: E402
+from benchmarks.trace_gaps import (  # noqa: E402
+    _stats,
+    busy_intervals,
+    device_events,
+    gpu_planes,
+    stream_events,
+)
 from jaxspec.api import generate  # noqa: E402
 from jaxspec.engines import programs  # noqa: E402
 from jaxspec.model.vocab_head import with_vocab  # noqa: E402
@@ -127,23 +133,14 @@ def hlo_sources(texts) -> dict[tuple[str, str], str]:
 def kernel_ops(folder: str) -> tuple[list[tuple[int, str, str, str]], dict]:
     """Each kernel of the newest trace under ``folder``: (ns, name, its HLO module, its HLO op),
     and the stats the first kernel event carries (what a trace names them: for diagnosis)."""
-    from jax.profiler import ProfileData
-
-    paths = sorted(pathlib.Path(folder).glob("**/*.xplane.pb"))
     out, sample = [], {}
-    for plane in ProfileData.from_file(str(paths[-1])).planes if paths else []:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:
-                continue
-            for ev in line.events:
-                stats = {str(k): v for k, v in _stats(ev)}
-                if not sample and "fusion" in ev.name:
-                    sample = {"name": ev.name, **{k: str(v)[:120] for k, v in stats.items()}}
-                module = str(stats.get("hlo_module", ""))
-                op = str(stats.get("hlo_op", ev.name))
-                out.append((ev.duration_ns, ev.name, module, re.sub(r"[.\-]", "_", op)))
+    for ev in (ev for plane in gpu_planes(folder) for ev in stream_events(plane)):
+        stats = {str(k): v for k, v in _stats(ev)}
+        if not sample and "fusion" in ev.name:
+            sample = {"name": ev.name, **{k: str(v)[:120] for k, v in stats.items()}}
+        module = str(stats.get("hlo_module", ""))
+        op = str(stats.get("hlo_op", ev.name))
+        out.append((ev.duration_ns, ev.name, module, re.sub(r"[.\-]", "_", op)))
     return out, sample
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import pathlib
@@ -31,26 +30,18 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from benchmarks.bench_decode_gpu import kernel_count, make_loop  # noqa: E402
 from benchmarks.common import metadata  # noqa: E402
 from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
+from benchmarks.trace_gaps import gpu_planes, stream_events  # noqa: E402
 from jaxspec.kernels import KernelConfig  # noqa: E402
 from jaxspec.model.kv_cache import KVCache, init_cache  # noqa: E402
 from jaxspec.model.transformer import new_model  # noqa: E402
 
 
 def gpu_events(trace_dir: str):
-    from jax.profiler import ProfileData
-
-    path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
-    pd = ProfileData.from_file(path)
-    events = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "Stream" not in line.name:
-                continue
-            for ev in line.events:
-                events.append((ev.start_ns, ev.duration_ns, ev.name))
-    return sorted(events)
+    return sorted(
+        (ev.start_ns, ev.duration_ns, ev.name)
+        for plane in gpu_planes(trace_dir)
+        for ev in stream_events(plane)
+    )
 
 
 def main():

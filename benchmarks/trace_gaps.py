@@ -16,6 +16,24 @@ Event = tuple[int, int, str]  # (start ns, duration ns, name)
 STAT_NAMES: list[str] = []  # the stats of the first kernel event ``device_events`` read
 
 
+def gpu_planes(trace_dir: str) -> list:
+    """The GPU planes of the newest trace under ``trace_dir`` (none without a trace, or in a CPU
+    trace)."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not paths:
+        return []
+    return [p for p in ProfileData.from_file(paths[-1]).planes if p.name.startswith("/device:GPU")]
+
+
+def stream_events(plane):
+    """A GPU plane's events on its stream lines: its kernels and copies."""
+    for line in plane.lines:
+        if "Stream" in line.name:
+            yield from line.events
+
+
 def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
     """Per GPU plane of the newest trace under ``trace_dir``: its XLA module spans
     (``"modules"``) and kernels (``"kernels"``, the stream lines).
@@ -23,30 +41,22 @@ def device_events(trace_dir: str) -> dict[str, dict[str, list[Event]]]:
     The module spans come from the plane's "XLA Modules" line where the trace has one; jax
     0.11.2's GPU traces have none (seen on two H200s), so they are otherwise rebuilt from each
     kernel's ``hlo_module`` stat (``spans_from_kernels``)."""
-    from jax.profiler import ProfileData
-
-    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    if not paths:
-        return {}
     out: dict[str, dict[str, list[Event]]] = {}
-    for plane in ProfileData.from_file(paths[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    for plane in gpu_planes(trace_dir):
         dev = out.setdefault(plane.name, {"modules": [], "kernels": []})
         tagged: list[Event] = []
         for line in plane.lines:
             if line.name == "XLA Modules":
                 dev["modules"] += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-            elif "Stream" in line.name:
-                for ev in line.events:
-                    dev["kernels"].append((ev.start_ns, ev.duration_ns, ev.name))
-                    if not STAT_NAMES:  # what a kernel event carries (diagnosis)
-                        STAT_NAMES.extend(str(k) for k, _ in _stats(ev))
-                    module = _stat(ev, "hlo_module")
-                    if module is not None:  # one execution apart from the next by its run_id
-                        run = _stat(ev, "run_id")
-                        tag = str(module) if run is None else f"{module}#{run}"
-                        tagged.append((ev.start_ns, ev.duration_ns, tag))
+        for ev in stream_events(plane):
+            dev["kernels"].append((ev.start_ns, ev.duration_ns, ev.name))
+            if not STAT_NAMES:  # what a kernel event carries (diagnosis)
+                STAT_NAMES.extend(str(k) for k, _ in _stats(ev))
+            module = _stat(ev, "hlo_module")
+            if module is not None:  # one execution apart from the next by its run_id
+                run = _stat(ev, "run_id")
+                tag = str(module) if run is None else f"{module}#{run}"
+                tagged.append((ev.start_ns, ev.duration_ns, tag))
         if not dev["modules"]:
             dev["modules"] = spans_from_kernels(tagged)
     for dev in out.values():
