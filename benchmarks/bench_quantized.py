@@ -13,7 +13,8 @@ skipped and says so):
   with the GPU defaults (dequantizing split-K projection kernels) equal the XLA path's
   (``quant_matmul="xla"``, no fused kernels), and the dequantizing kernel's products equal
   dequantize-then-matmul for int8 / int4 (max relative error); on a Hopper GPU the same for
-  the WGMMA kernel (``quant_wgmma``) in bf16, with bf16 and float32 scales, at 1, 8, 13 rows.
+  the WGMMA kernel (``quant_wgmma``, against the float32 dequantize-then-matmul), bf16 rows,
+  with bf16 and float32 scales, at 1, 8, 13 rows.
 - ``sweep``: ``qmatmul`` alone on Llama-3-8B's gate/up (4096 x 14336) and down (14336 x 4096)
   projections, at 8 rows (the model pads a decode step's stream to 8 on a GPU) and at 1 (the
   kernel pads every step to 16 tensor-core rows), int8 and int4, for each tile of ``TILES``:
@@ -85,12 +86,11 @@ TILES = (
     (256, 64, None, 4, 4),
     (256, 128, None, 4, 3),
 )
-# (bk, stages, K splits) of quant_wgmma (the Mosaic GPU kernel; splits None: by its plan), per bits
 # (bk, stages, K splits, channels a warpgroup) of quant_wgmma (the Mosaic GPU kernel; None: its
 # defaults), per bits; its weights with bf16 scales, as `convert --quantize` stores them for bf16
 WGMMA_TILES = {
-    8: ((None, None, None, None), (256, 3, None, 64), (256, 2, None, 128)),
-    4: ((None, None, None, None), (128, 4, None, 64), (128, 4, None, 128)),
+    8: ((None, None, None, None), (256, 3, None, 64), (256, 2, None, 128), (512, 2, None, 64)),
+    4: ((None, None, None, None), (128, 4, None, 64), (128, 4, None, 128), (128, 2, None, 128)),
 }
 COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
@@ -134,8 +134,9 @@ def check(smoke: bool) -> dict:
 
 
 def check_wgmma(rng) -> dict:
-    """The Mosaic GPU kernel's products against dequantize-then-matmul in bf16 (max relative
-    error), for bf16 and float32 scales, at 1, 8 and 13 rows."""
+    """The Mosaic GPU kernel's products against dequantize-then-matmul in float32
+    (``quant_wgmma.reference``, max relative error), for bf16 and float32 scales, at 1, 8 and 13
+    rows."""
     out = {}
     for bits, group in ((8, None), (4, 128)):
         wf = jnp.asarray(rng.standard_normal((1024, 768)), jnp.bfloat16)
@@ -147,7 +148,7 @@ def check_wgmma(rng) -> dict:
                 for m in (1, 8, 13):
                     x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
                     got = quant_wgmma.qmatmul(x, kw)
-                    want = quant_linear.qmatmul_reference(x, w)
+                    want = quant_wgmma.reference(x, w)
                     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                     out[f"{key}_rows{m}_max_rel_err"] = err
             except Exception as e:  # recorded: the rest of the run still measures

@@ -1,6 +1,7 @@
 """Quantized projections on Hopper's tensor cores (Mosaic GPU): ``x @ w`` for steps of at most
-16 rows, the weight streamed by TMA into shared memory and dequantized into the WGMMA's register
-operand, never written anywhere as floats.
+16 rows, the weight streamed by TMA into shared memory, its codes converted into the WGMMA's
+register operand and its scales applied to the float32 accumulator: never written anywhere as
+floats.
 
 The weight is the WGMMA's A operand (``y^T = w^T x^T``): a warpgroup's 64 (or 128: two
 instructions) output channels are its M and the step's rows (padded to 8 or 16) its N, so no
@@ -19,11 +20,15 @@ Scales ``[K / group, N]`` stay as stored. One K step of ``bk`` rows lies in one 
 warpgroup's channels broadcast over the tile's columns in registers. GGUF's groups of 32 and
 Q4_1's / AWQ's mins are not laid out: they take ``quant_linear``'s Triton kernel.
 
-Numerics: a weight dequantizes to ``q * s`` rounded once to bf16, which is
-``quant.dequantize``'s value to the bit when the scale is bf16 (the product of an 8-bit integer
-and an 8-bit significand is exact before its one rounding); float32 scales take the same
-product in float32, then round. The products with the activations accumulate in float32 on the
-tensor cores, so only the order of the sums differs from dequantize-then-matmul.
+Numerics: the codes enter the WGMMA as the integers they are (exact in bf16/f16) and each group's
+scales multiply that group's float32 sum in the accumulator, ``sum_g s_g (q_g^T x_g^T)``: the
+scale costs ``rows`` products a channel and group, not one for every weight (``channels x bk`` a
+K step). Every product is exact in float32, so this is the float32 dequantize-then-matmul
+(``reference``: ``x @ (q * s)`` in float32) but for the order of the sums, for bf16 and float32
+scales alike. It is not the bf16 dequantize-then-matmul of the XLA path (``quant.dequantize`` to
+bf16 rounds each ``q * s`` before its product): the two differ by that rounding, so a bf16 model
+whose steps take both paths (16 rows or fewer here, more through XLA) may part at near-ties;
+float32 models never take this kernel (the WGMMA takes 16-bit operands).
 
 Program ``(j, s)`` of the grid ``(N / channels, splits)`` runs a pipeline of ``stages`` TMA loads
 over its split's K steps and writes float32 partial sums ``[S, N, R]`` (channels major, as the
@@ -137,6 +142,14 @@ def dequantize(w: KMajorWeight, dtype=None) -> Float[Array, "k n"]:
     return (q * s).astype(dtype or w.dtype)
 
 
+def reference(x: Float[Array, "m k"], w) -> Float[Array, "m n"]:
+    """What ``qmatmul`` computes, in float32 throughout: ``x @ (q * s)`` with the weight
+    dequantized in float32 (exact: an 8-bit code times a 16-bit scale) and the rows widened."""
+    kmajor = isinstance(w, KMajorWeight)
+    wf = dequantize(w, jnp.float32) if kmajor else quant.dequantize(w, jnp.float32)
+    return jnp.matmul(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+
+
 def unsupported_reason(x, w) -> str | None:
     """Why ``qmatmul`` cannot take rows ``x`` (None when it can)."""
     if not isinstance(w, KMajorWeight):
@@ -169,21 +182,61 @@ def _swizzle(elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, sw * 8 // bits)), plgpu.SwizzleTransform(sw))
 
 
-def _step(x_smem, w_smem, s_smem, acc, *, bits: int, dt):
-    """One K step: the codes from shared memory into registers, dequantized there with their
-    channels' scales (``q * s``, one rounding to ``dt``), then ``acc += w^T x^T``."""
-    scale = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+def _codes(w_smem, bits: int, dt):
+    """A K step's codes from shared memory into the WGMMA's register layout, as ``dt``: the
+    integers themselves (exact in bf16/f16), no scale yet."""
     upcast = plgpu.Layout.WGMMA_UPCAST_2X if bits == 8 else plgpu.Layout.WGMMA_UPCAST_4X
-    q = plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA)
-    if jnp.dtype(scale.dtype) == dt:  # q * s exact before its one rounding
-        wv = q.astype(dt) * jax.lax.broadcast_in_dim(scale, q.shape, (0,))
-    else:
-        qf = q.astype(jnp.float32)
-        sf = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), q.shape, (0,))
-        wv = (qf * sf).astype(dt)
-    plgpu.wgmma(acc, wv, x_smem.T)
-    plgpu.wgmma_wait(0)
-    return acc
+    return plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA).astype(dt)
+
+
+def _scaled(s_smem, value):
+    """``value [channels, rows]`` (float32) times its channels' scales (``s_smem [channels]``)."""
+    scale = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    return value * jax.lax.broadcast_in_dim(scale, value.shape, (0,))
+
+
+def flush_every(per_group: int, per: int) -> int:
+    """How the kernel applies a group's scales to its sum (``_accumulate``), from the K steps a
+    scale row covers and the K steps a split runs: 0, once after a split (the split lies in one
+    group: per-channel int8); 1, after every K step (one step a group: int4 in groups of
+    ``bk``); else after each step that ends a group or the split."""
+    if per_group % per == 0:
+        return 0
+    return 1 if per_group == 1 else per_group
+
+
+def _accumulate(x_gmem, w_gmem, s_gmem, specs, *, per, per_group, first, stages, bits, dt, shape):
+    """A split's ``sum_g s_g * (q_g^T x_g^T)`` in float32: the codes go into the WGMMA as the
+    integers they are, and each group's scales multiply its float32 sum in the accumulator (a
+    ``[channels, rows]`` tile: ``rows`` products a channel) instead of every weight before the
+    WGMMA (``channels x bk`` products a step). Exact products, float32 sums: the float32
+    dequantize-then-matmul's value but for the order of the sums."""
+    flush = flush_every(per_group, per)
+
+    def fold(total, grp, s_smem):
+        total[...] = total[...] + _scaled(s_smem, grp[...])
+        grp[...] = jnp.zeros(shape, jnp.float32)
+
+    def body(total, grp):
+        def step(idx, x_smem, w_smem, s_smem):
+            (i,) = idx
+            plgpu.wgmma(grp, _codes(w_smem, bits, dt), x_smem.T)
+            plgpu.wgmma_wait(0)
+            if flush == 1:
+                fold(total, grp, s_smem.at[0])
+            elif flush:
+                ends = ((first + i + 1) % per_group == 0) | (i == per - 1)
+                pl.when(ends)(lambda: fold(total, grp, s_smem.at[0]))
+            else:  # the split's one group: its scales once, after the last step
+                pl.when(i == per - 1)(lambda: fold(total, grp, s_smem.at[0]))
+
+        plgpu.emit_pipeline(step, grid=(per,), in_specs=specs, max_concurrent_steps=stages)(
+            x_gmem, w_gmem, s_gmem
+        )
+        return total[...]
+
+    acc = plgpu.ACC(shape, jnp.float32)
+    return pl.run_scoped(body, acc, acc)
 
 
 def group_problem(ws) -> str | None:
@@ -227,7 +280,6 @@ def qmatmul_partials(
     wdt = jnp.int8 if w0.bits == 8 else jnp.int4
     x_tiles, w_tiles = _swizzle(bk, dt), _swizzle(bk, wdt)
     starts = [sum(widths[:i]) // tm for i in range(len(ws))]  # each weight's first tile
-    step = functools.partial(_step, bits=w0.bits, dt=dt)
 
     def tile(x_gmem, w_gmem, s_gmem, o_gmem, w, j, s, first):
         """Program ``(j, s)``'s tile ``j - first`` of weight ``w``."""
@@ -243,16 +295,10 @@ def qmatmul_partials(
             plgpu.BlockSpec((1, tm), lambda i: (kstep(i) // per_group, jj)),
         ]
 
-        def accumulate(acc):
-            plgpu.emit_pipeline(
-                lambda _, xs, wsm, ss: step(xs, wsm, ss.at[0], acc),
-                grid=(per,),
-                in_specs=specs,
-                max_concurrent_steps=stages,
-            )(x_gmem, w_gmem, s_gmem)
-            return acc[...]
-
-        result = pl.run_scoped(accumulate, plgpu.ACC((tm, r), jnp.float32))
+        result = _accumulate(
+            x_gmem, w_gmem, s_gmem, specs, per=per, per_group=per_group, first=s * per,
+            stages=stages, bits=w0.bits, dt=dt, shape=(tm, r),
+        )  # fmt: skip
         o_gmem[pl.ds(s * n + j * tm, tm), :] = result
 
     def kernel(x_gmem, *refs):

@@ -25,7 +25,7 @@ from jaxspec.model import quantized as Q
 from jaxspec.model import sharding
 from jaxspec.model.layers import project
 from jaxspec.model.transformer import new_model
-from pallas_kernels import quant, quant_linear
+from pallas_kernels import quant
 from pallas_kernels import quant_wgmma as qw
 from tests import tiny
 
@@ -111,24 +111,33 @@ def test_plan_cuts_k_into_equal_splits():
 
 
 @pytest.mark.parametrize(
-    "bits, group, rows, scale_dtype, widths",
+    "bits, group, rows, scale_dtype, widths, splits",
     [
-        (8, None, 8, jnp.bfloat16, (512,)),
-        (8, None, 16, jnp.float32, (512,)),
-        (4, 128, 8, jnp.bfloat16, (512,)),
-        (8, None, 8, jnp.bfloat16, (256, 64, 64)),  # q, k, v in one launch (64-channel tiles)
-        (4, 128, 16, jnp.bfloat16, (384, 384)),  # gate and up
+        (8, None, 8, jnp.bfloat16, (512,), None),  # one group a split: scales after its last step
+        (8, None, 16, jnp.float32, (512,), None),
+        (4, 128, 8, jnp.bfloat16, (512,), None),  # a group a K step: scales after each
+        (8, None, 8, jnp.bfloat16, (256, 64, 64), None),  # q, k, v in one launch (64-channel tiles)
+        (4, 128, 16, jnp.bfloat16, (384, 384), None),  # gate and up
+        (4, 256, 8, jnp.bfloat16, (512,), 2),  # 2 steps a group, 4 a split: after each group's end
     ],
 )
-def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, widths):
+def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, widths, splits):
     """Lowered for CUDA here: Mosaic GPU's Python side builds the kernel (TMA transforms, the
     upcast register layouts, the WGMMA's operand shapes) and raises on any mismatch."""
     rng = np.random.default_rng(1)
     ws = tuple(qw.prepare(random_weight(rng, 1024, c, bits, group, scale_dtype)) for c in widths)
     x = jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16)
-    lowered = qw.qmatmul_partials.trace(x, ws).lower(lowering_platforms=("cuda",))
+    lowered = qw.qmatmul_partials.trace(x, ws, splits=splits).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "mosaic_gpu" in text and f"tensor<{rows}x1024xbf16>" in text
+
+
+def test_scales_apply_after_each_group_or_once_a_split():
+    assert qw.flush_every(per_group=16, per=16) == 0  # int8 per channel, one split
+    assert qw.flush_every(per_group=16, per=4) == 0  # four splits, each inside the group
+    assert qw.flush_every(per_group=1, per=8) == 1  # int4, a group a step
+    assert qw.flush_every(per_group=2, per=4) == 2  # groups end inside a split
+    assert qw.flush_every(per_group=2, per=3) == 2  # ... and a split may start inside a group
 
 
 def test_weights_that_cannot_share_a_launch_say_why():
@@ -272,8 +281,9 @@ def test_project_many_splits_one_launch_back_into_each_weights_product(monkeypat
 @pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("rows", [1, 8, 13, 16])
 def test_the_kernel_multiplies_as_dequantize_then_matmul_on_hopper(bits, group, scale_dtype, rows):
-    """Compiled on an sm_90 GPU: the same bf16 weights, so only the order of the float32 sums
-    differs (observed ~2e-7 relative on an H100); fresh inputs, back to back calls."""
+    """Compiled on an sm_90 GPU, against dequantize-then-matmul in float32 (``qw.reference``):
+    every product exact, so only the order of the float32 sums differs; fresh inputs, back to
+    back calls."""
     assert qw.device_supported(), "needs an sm_90 GPU"
     rng = np.random.default_rng(rows)
     w = random_weight(rng, 2048, 768, bits, group, scale_dtype)
@@ -281,7 +291,7 @@ def test_the_kernel_multiplies_as_dequantize_then_matmul_on_hopper(bits, group, 
     for _ in range(3):
         x = jnp.asarray(rng.standard_normal((rows, 2048)), jnp.bfloat16)
         got = np.asarray(qw.qmatmul(x, kw))
-        want = np.asarray(quant_linear.qmatmul_reference(x, w))
+        want = np.asarray(qw.reference(x, w))
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -296,6 +306,21 @@ def test_weights_in_one_launch_multiply_as_each_alone_on_hopper(bits, group, wid
     ws = [random_weight(rng, 2048, c, bits, group, jnp.bfloat16) for c in widths]
     x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
     got = np.asarray(qw.qmatmul(x, tuple(qw.prepare(w) for w in ws)))
-    want = np.concatenate([np.asarray(quant_linear.qmatmul_reference(x, w)) for w in ws], axis=1)
+    want = np.concatenate([np.asarray(qw.reference(x, w)) for w in ws], axis=1)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, group, splits", [(4, 256, 4), (4, 256, None), (8, 256, None)])
+def test_groups_of_several_k_steps_take_their_own_scales_on_hopper(bits, group, splits):
+    """Groups that span K steps: 4 splits of 4 steps over int4 groups of 2 (scales after each
+    group's last step), and one K step a group for int8 in groups of 256."""
+    assert qw.device_supported(), "needs an sm_90 GPU"
+    rng = np.random.default_rng(group + bits)
+    w = random_weight(rng, 2048, 512, bits, group, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    got = np.asarray(qw.qmatmul(x, qw.prepare(w), splits=splits))
+    want = np.asarray(qw.reference(x, w))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
