@@ -34,11 +34,12 @@ Program ``(j, s)`` of the grid ``(N / channels, splits)`` runs a pipeline of ``s
 over its split's K steps and writes float32 partial sums ``[S, N, R]`` (channels major, as the
 accumulator holds them); ``qmatmul`` sums them and transposes back, which XLA fuses into one
 small kernel after each projection (a direct transposed store is not one Mosaic GPU lowers:
-"tiled strides must be a multiple of the vector length"). This kernel runs only
-compiled on a Hopper GPU: the Pallas interpreter does not run Mosaic GPU's WGMMA, so its tests on
-a CPU lower it (every layout and shape check of Mosaic's Python side) and check ``prepare``
-exactly; the products are checked on the GPU (benchmarks/bench_quantized.py's
-``check`` section and tests marked ``gpu``).
+"tiled strides must be a multiple of the vector length"). Compiled, it runs
+on a Hopper GPU only; on a CPU, ``interpret=True`` runs it in Mosaic GPU's interpreter (the same
+program, the register operand staged through shared memory: the interpreter's WGMMA takes no
+other), which the tests check against ``reference`` on fresh inputs, besides lowering it for
+CUDA (Mosaic's own layout and shape checks). The compiled products are checked on the GPU
+(benchmarks/bench_quantized.py's ``check`` section and tests marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -189,54 +190,70 @@ def _codes(w_smem, bits: int, dt):
     return plgpu.layout_cast(plgpu.load(w_smem, layout=upcast), plgpu.Layout.WGMMA).astype(dt)
 
 
+def _mma(acc, a, b, interpret: bool):
+    """``acc += a @ b`` on the tensor cores, ``a`` from registers. The GPU interpreter takes
+    only shared-memory operands, so interpreted ``a`` is staged through shared memory first."""
+    if not interpret:
+        plgpu.wgmma(acc, a, b)
+        return
+
+    def staged(a_smem):
+        a_smem[...] = a
+        plgpu.wgmma(acc, a_smem, b)
+
+    pl.run_scoped(staged, plgpu.SMEM(a.shape, a.dtype))
+
+
 def _scaled(s_smem, value):
     """``value [channels, rows]`` (float32) times its channels' scales (``s_smem [channels]``)."""
     scale = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
     return value * jax.lax.broadcast_in_dim(scale, value.shape, (0,))
 
 
-def flush_every(per_group: int, per: int) -> int:
-    """How the kernel applies a group's scales to its sum (``_accumulate``), from the K steps a
-    scale row covers and the K steps a split runs: 0, once after a split (the split lies in one
-    group: per-channel int8); 1, after every K step (one step a group: int4 in groups of
-    ``bk``); else after each step that ends a group or the split."""
-    if per_group % per == 0:
-        return 0
-    return 1 if per_group == 1 else per_group
+def one_group_a_split(per_group: int, per: int) -> bool:
+    """Whether every split of ``per`` K steps lies in one scale group of ``per_group`` steps
+    (per-channel int8): then its scales apply once, to the split's sum (``_accumulate``)."""
+    return per_group % per == 0
 
 
-def _accumulate(x_gmem, w_gmem, s_gmem, specs, *, per, per_group, first, stages, bits, dt, shape):
-    """A split's ``sum_g s_g * (q_g^T x_g^T)`` in float32: the codes go into the WGMMA as the
-    integers they are, and each group's scales multiply its float32 sum in the accumulator (a
-    ``[channels, rows]`` tile: ``rows`` products a channel) instead of every weight before the
-    WGMMA (``channels x bk`` products a step). Exact products, float32 sums: the float32
-    dequantize-then-matmul's value but for the order of the sums."""
-    flush = flush_every(per_group, per)
+def _accumulate(
+    x_gmem, w_gmem, s_gmem, specs, out, *, per, per_group, stages, bits, dt, shape, interpret
+):
+    """Store into ``out`` a split's ``sum_g s_g * (q_g^T x_g^T)`` in float32: the codes go into
+    the WGMMA as the integers they are, and the scales multiply float32 sums in the accumulator
+    (a ``[channels, rows]`` tile: ``rows`` products a channel) instead of every weight before the
+    WGMMA (``channels x bk`` products a K step): once, after the split's last step, where the
+    split lies in one group; else each K step's own sum (a step lies in one group). Exact
+    products, float32 sums: the float32 dequantize-then-matmul's value but for the order of the
+    sums."""
+    pipeline = functools.partial(
+        plgpu.emit_pipeline, grid=(per,), in_specs=specs, max_concurrent_steps=stages
+    )
+    if one_group_a_split(per_group, per):
 
-    def fold(total, grp, s_smem):
-        total[...] = total[...] + _scaled(s_smem, grp[...])
-        grp[...] = jnp.zeros(shape, jnp.float32)
+        def body(acc):
+            def step(idx, x_smem, w_smem, s_smem):
+                _mma(acc, _codes(w_smem, bits, dt), x_smem.T, interpret)
+                plgpu.wgmma_wait(0)
 
-    def body(total, grp):
-        def step(idx, x_smem, w_smem, s_smem):
-            (i,) = idx
-            plgpu.wgmma(grp, _codes(w_smem, bits, dt), x_smem.T)
-            plgpu.wgmma_wait(0)
-            if flush == 1:
-                fold(total, grp, s_smem.at[0])
-            elif flush:
-                ends = ((first + i + 1) % per_group == 0) | (i == per - 1)
-                pl.when(ends)(lambda: fold(total, grp, s_smem.at[0]))
-            else:  # the split's one group: its scales once, after the last step
-                pl.when(i == per - 1)(lambda: fold(total, grp, s_smem.at[0]))
+                @pl.when(idx[0] == per - 1)
+                def _():
+                    out[...] = _scaled(s_smem.at[0], acc[...])
 
-        plgpu.emit_pipeline(step, grid=(per,), in_specs=specs, max_concurrent_steps=stages)(
-            x_gmem, w_gmem, s_gmem
-        )
-        return total[...]
+            pipeline(step)(x_gmem, w_gmem, s_gmem)
 
-    acc = plgpu.ACC(shape, jnp.float32)
-    return pl.run_scoped(body, acc, acc)
+        pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+        return
+
+    def step(idx, x_smem, w_smem, s_smem, total):
+        def product(acc):
+            _mma(acc, _codes(w_smem, bits, dt), x_smem.T, interpret)
+            return acc[...]
+
+        return total + _scaled(s_smem.at[0], pl.run_scoped(product, plgpu.ACC(shape, jnp.float32)))
+
+    zero = jnp.zeros(shape, jnp.float32)
+    out[...] = pipeline(step, init_carry=zero)(x_gmem, w_gmem, s_gmem)
 
 
 def group_problem(ws) -> str | None:
@@ -249,7 +266,7 @@ def group_problem(ws) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("bk", "splits", "stages", "tm"))
+@functools.partial(jax.jit, static_argnames=("bk", "splits", "stages", "tm", "interpret"))
 def qmatmul_partials(
     x: Float[Array, "r k"],
     ws: tuple[KMajorWeight, ...],
@@ -258,6 +275,7 @@ def qmatmul_partials(
     splits: int | None = None,
     stages: int | None = None,
     tm: int | None = None,
+    interpret: bool = False,
 ) -> Float[Array, "s n r"]:
     """Float32 partial sums ``[S, N, R]`` of ``x @ concat(ws)`` transposed (``N``: the weights'
     columns side by side), in one launch; ``x`` has ``R`` (8 or 16) rows (``qmatmul`` pads
@@ -295,11 +313,11 @@ def qmatmul_partials(
             plgpu.BlockSpec((1, tm), lambda i: (kstep(i) // per_group, jj)),
         ]
 
-        result = _accumulate(
-            x_gmem, w_gmem, s_gmem, specs, per=per, per_group=per_group, first=s * per,
-            stages=stages, bits=w0.bits, dt=dt, shape=(tm, r),
+        out = o_gmem.at[pl.ds(s * n + j * tm, tm), :]
+        _accumulate(
+            x_gmem, w_gmem, s_gmem, specs, out, per=per, per_group=per_group, stages=stages,
+            bits=w0.bits, dt=dt, shape=(tm, r), interpret=interpret,
         )  # fmt: skip
-        o_gmem[pl.ds(s * n + j * tm, tm), :] = result
 
     def kernel(x_gmem, *refs):
         *pairs, o_gmem = refs
@@ -320,6 +338,7 @@ def qmatmul_partials(
         grid_names=("n", "s"),
         kernel_name=f"qmatmul_wgmma_int{w0.bits}",
         compiler_params=plgpu.CompilerParams(approx_math=False),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(x, *arrays)
     return out.reshape(n_split, n, r)
 
@@ -336,6 +355,7 @@ def qmatmul(
     splits=None,
     stages=None,
     tm=None,
+    interpret: bool = False,
 ) -> Float[Array, "m n"]:
     """``x @ w`` in float32 (``x`` of at most 16 rows in the weights' compute dtype); a tuple of
     weights (``group_problem``: None) in one launch, their columns side by side."""
@@ -344,5 +364,7 @@ def qmatmul(
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"quant_wgmma.qmatmul: {m} rows not in [1, {MAX_ROWS}]")
     xp = jnp.pad(x, ((0, rows_for(m) - m), (0, 0)))
-    parts = qmatmul_partials(xp, ws, bk=bk, splits=splits, stages=stages, tm=tm)
+    parts = qmatmul_partials(
+        xp, ws, bk=bk, splits=splits, stages=stages, tm=tm, interpret=interpret
+    )
     return jnp.sum(parts, axis=0)[:, :m].T

@@ -1,12 +1,14 @@
 """Hopper's WGMMA kernel for quantized projections (pallas_kernels/quant_wgmma.py) and the
 K-major layout it reads.
 
-The kernel itself runs only compiled on an sm_90 GPU (the Pallas interpreter does not run Mosaic
-GPU's WGMMA), so on a CPU: the layout is checked exactly (its dequantization equals the stored
-weight's bit for bit; int4 codes land signed and in K's order), models laid out in it
-decode exactly as the stored layout does in every engine, and the kernel is lowered for CUDA,
-which runs Mosaic GPU's own shape and layout checks. The products are checked on the GPU (tests
-marked ``gpu``, and bench_quantized.py's ``check`` section)."""
+On a CPU: the layout is checked exactly (its dequantization equals the stored weight's bit for
+bit; int4 codes land signed and in K's order), models laid out in it decode exactly as the
+stored layout does in every engine, the kernel is lowered for CUDA (Mosaic GPU's own shape and
+layout checks), and it runs in Mosaic GPU's interpreter (``interpret=True``: the same program,
+its register operand staged through shared memory, the interpreter's only operand kind) against
+the float32 dequantize-then-matmul on fresh inputs, its output buffers NaN-filled until written.
+Compiled, its products are checked on the GPU (tests marked ``gpu``, and bench_quantized.py's
+``check`` section)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from jaxspec.model import quantized as Q
 from jaxspec.model import sharding
 from jaxspec.model.layers import project
 from jaxspec.model.transformer import new_model
-from pallas_kernels import quant
+from pallas_kernels import quant, quant_linear
 from pallas_kernels import quant_wgmma as qw
 from tests import tiny
 
@@ -132,12 +134,45 @@ def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, widths, spli
     assert "mosaic_gpu" in text and f"tensor<{rows}x1024xbf16>" in text
 
 
-def test_scales_apply_after_each_group_or_once_a_split():
-    assert qw.flush_every(per_group=16, per=16) == 0  # int8 per channel, one split
-    assert qw.flush_every(per_group=16, per=4) == 0  # four splits, each inside the group
-    assert qw.flush_every(per_group=1, per=8) == 1  # int4, a group a step
-    assert qw.flush_every(per_group=2, per=4) == 2  # groups end inside a split
-    assert qw.flush_every(per_group=2, per=3) == 2  # ... and a split may start inside a group
+def test_scales_apply_once_a_split_only_where_it_lies_in_one_group():
+    assert qw.one_group_a_split(per_group=16, per=16)  # int8 per channel, one split
+    assert qw.one_group_a_split(per_group=16, per=4)  # four splits, each inside the group
+    assert qw.one_group_a_split(per_group=1, per=1)  # one step a split
+    assert not qw.one_group_a_split(per_group=1, per=8)  # int4: each step's sum scaled
+    assert not qw.one_group_a_split(per_group=2, per=4)  # groups end inside a split
+
+
+@pytest.mark.parametrize(
+    "bits, group, rows, scale_dtype, widths, splits",
+    [
+        (8, None, 1, jnp.bfloat16, (256,), None),  # one group a split: scaled after its last step
+        (8, None, 13, jnp.float32, (256,), 2),
+        (4, 128, 8, jnp.bfloat16, (256,), 1),  # 8 steps a split, each step's sum scaled
+        (4, 256, 16, jnp.bfloat16, (256,), 2),  # groups of 2 steps inside 4-step splits
+        (4, 128, 8, jnp.float32, (256,), None),  # one step a split (the plan's 8 splits)
+        (8, None, 8, jnp.bfloat16, (128, 64, 64), None),  # q, k, v in one launch
+        (4, 128, 5, jnp.bfloat16, (128, 128), 1),  # gate and up
+    ],
+)
+def test_the_kernel_interpreted_multiplies_as_dequantize_then_matmul_in_float32(
+    bits, group, rows, scale_dtype, widths, splits
+):
+    """Mosaic GPU's interpreter runs the kernel (TMA pipeline, the upcast loads, the scales on
+    the accumulator, splits, several weights a launch) on fresh inputs: within float32 summation
+    order of ``reference``. Negative control: the bf16-rounded weights' product (the scales on
+    the weights, as before) is farther off than the tolerance."""
+    rng = np.random.default_rng(rows * 31 + bits + len(widths))
+    ws = [random_weight(rng, 1024, c, bits, group, scale_dtype) for c in widths]
+    x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
+    got = np.asarray(qw.qmatmul(x, tuple(qw.prepare(w) for w in ws), splits=splits, interpret=True))
+    want = np.concatenate([np.asarray(qw.reference(x, w)) for w in ws], axis=1)
+    assert got.shape == (rows, sum(widths)) and np.isfinite(got).all()
+    tol = 1e-5 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    rounded = np.concatenate(
+        [np.asarray(quant_linear.qmatmul_reference(x, w)) for w in ws], axis=1
+    )  # fmt: skip
+    assert np.abs(rounded - want).max() > 10 * tol
 
 
 def test_weights_that_cannot_share_a_launch_say_why():
@@ -314,8 +349,8 @@ def test_weights_in_one_launch_multiply_as_each_alone_on_hopper(bits, group, wid
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits, group, splits", [(4, 256, 4), (4, 256, None), (8, 256, None)])
 def test_groups_of_several_k_steps_take_their_own_scales_on_hopper(bits, group, splits):
-    """Groups that span K steps: 4 splits of 4 steps over int4 groups of 2 (scales after each
-    group's last step), and one K step a group for int8 in groups of 256."""
+    """Groups that span K steps: 4 splits of 4 steps over int4 groups of 2 (each step's sum
+    scaled), and the plan's one-step splits (scaled once a split)."""
     assert qw.device_supported(), "needs an sm_90 GPU"
     rng = np.random.default_rng(group + bits)
     w = random_weight(rng, 2048, 512, bits, group, jnp.bfloat16)
