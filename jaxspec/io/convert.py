@@ -155,8 +155,8 @@ def _quantize_option(quantize, group_size) -> tuple[str, int | None]:
 
 def _quantizer(quantize: str, group: int | None, cfg: ModelConfig, dtype=None):
     """``hf_to_tree``'s ``quantize`` hook for ``int8`` / ``int4`` (None otherwise). Scales are
-    kept in the stored dtype when it has 16 bits (bf16 / f16: ``q * s`` is exact in float32,
-    and Hopper's WGMMA kernel dequantizes in bf16 directly, ``quant_wgmma``), else float32."""
+    kept in the stored dtype when it has 16 bits (bf16 / f16: ``q * s`` is exact in float32, and
+    they are half the bytes a step reads), else float32."""
     if quantize not in ("int8", "int4"):
         return None
     bits = int(quantize[3:])
