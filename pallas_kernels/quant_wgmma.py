@@ -68,7 +68,9 @@ TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are 
 # 24.2 / 23.9 / 9.4; 512-row steps 24.3 / 23.3 / 9.2); int4 128 x 3 x 128 channels 16.5 / 15.6 /
 # 5.3 (64 channels, 4 stages 18.9 / 16.8 / 5.9). A program of one warpgroup issuing its own TMA
 # loads beat one or two compute warpgroups fed by a loading one (emit_pipeline_warp_specialized:
-# int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1), which is gone.
+# int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1), which is gone. All with the scales on the
+# weights (before e69f501): `bench_quantized.py --sections sweep` re-times these tiles and its
+# WGMMA_TILES with the scales on the accumulator; not yet run on a GPU.
 BK = {8: 256, 4: 128}
 STAGES = {8: 2, 4: 3}
 TM = {8: 64, 4: 128}
