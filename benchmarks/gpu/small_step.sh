@@ -15,14 +15,15 @@ probe() {  # SETTING CONTEXT [VAR=VALUE...]
     --batch 1 --context "$context" --steps 32 --out "$OUT"
 }
 if [ "${1:-}" = attention ]; then
-  # `bash benchmarks/gpu/small_step.sh attention` (~4 min): the fused attention kernel's prefix
+  # `bash benchmarks/gpu/small_step.sh attention` (~5 min): the fused attention kernel's prefix
   # split length and KV block (KernelConfig.attention_tile: min_split, block_k) against the
   # fused path's defaults (splits of at least 128 slots, at most 33: fused_linear.COMBINE_BOUNDS;
   # KV blocks of 128 slots of SmolLM2's 64-wide heads) at 1K and 4K of context, batch 1, and at the MagicDec self-draft shape (batch 128, a 512-token cache). Writes
   # $OUT/attention_split.json (results/attention_split.json).
-  split() {  # LABEL BATCH CONTEXT STEPS [MIN_SPLIT BLOCK_K]
+  split() {  # LABEL BATCH CONTEXT STEPS [MIN_SPLIT BLOCK_K [STAGES]]
     local env=()
     [ -n "${5:-}" ] && env=(JAXSPEC_ATTN_MIN_SPLIT="$5" JAXSPEC_ATTN_BLOCK_K="$6")
+    [ -n "${7:-}" ] && env+=(JAXSPEC_ATTN_STAGES="$7")
     bench attention_split 150 env "${env[@]}" python3 benchmarks/probe_small.py --label "$1" \
       --batch "$2" --context "$3" --steps "$4" --out "$OUT" --file attention_split.json
   }
@@ -34,6 +35,12 @@ if [ "${1:-}" = attention ]; then
   for ms in 128 512 1024; do split "attn_split${ms}_k128_c4096" 1 4096 32 "$ms" 128; done
   split defaults_b128_c512 128 512 16
   for ms in 128 512; do split "attn_split${ms}_k128_b128_c512" 128 512 16 "$ms" 128; done
+  # the KV pipeline at batch 128 (2 KV blocks a program: 3 stages of 128 slots hold 96 KiB of
+  # shared memory, two programs an SM), where the splits changed nothing
+  for t in 256:128:2 256:64:2 256:64:3; do
+    IFS=: read -r ms bk st <<< "$t"
+    split "attn_split${ms}_k${bk}_s${st}_b128_c512" 128 512 16 "$ms" "$bk" "$st"
+  done
   exit
 fi
 if [ "${1:-}" = rounds ]; then
@@ -48,10 +55,11 @@ if [ "${1:-}" = rounds ]; then
   exit
 fi
 if [ "${1:-}" = verify ]; then
-  # `bash benchmarks/gpu/small_step.sh verify` (~2 min): where a verify block's time goes, the
+  # `bash benchmarks/gpu/small_step.sh verify` (~3 min): where a verify block's time goes, the
   # same loop with 1, 5 (a gamma-4 chain) and 16 (the feature draft's tree) tokens a step, at
   # 1K, kernel by kernel: under the defaults (the split-K projection kernels for one-row steps
-  # only: KernelConfig.linear_rows 1) and with those kernels for up to 16 rows (linear_rows 16).
+  # only: KernelConfig.linear_rows 1) and with those kernels for up to 16 rows (linear_rows 16);
+  # then 9 tokens with and without the GEMMs' rows padded to 16.
   # Writes $OUT/verify_probe.json (results/verify_probe.json).
   for t in 1 5 16; do
     for rows in 1 16; do
@@ -59,6 +67,13 @@ if [ "${1:-}" = verify ]; then
         --label "linear_rows${rows}_t${t}_c1024" --tokens "$t" --context 1024 --steps 32 \
         --out "$OUT" --file verify_probe.json
     done
+  done
+  # 9 tokens (the default tree's verify, a gamma-8 chain's) as XLA's GEMMs take them, unpadded
+  # (KernelConfig.gemm_rows pads only steps of fewer than 8 rows), and padded to 16 rows
+  for pad in 8 16; do
+    bench verify_probe 150 env JAXSPEC_MIN_GEMM_ROWS=$pad python3 benchmarks/probe_small.py \
+      --label "gemm_rows${pad}_t9_c1024" --tokens 9 --context 1024 --steps 32 \
+      --out "$OUT" --file verify_probe.json
   done
   exit
 fi
