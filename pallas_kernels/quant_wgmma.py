@@ -16,8 +16,8 @@ which ``prepare`` lays out once (``jaxspec.model.quantized.for_wgmma`` at load, 
   columns permuted to match, cost the int4 step one more kernel a layer: H100, c940af5.)
 
 Scales ``[K / group, N]`` stay as stored. One K step of ``bk`` rows lies in one group
-(``group % bk == 0``), so it dequantizes with one scale per output channel, a row of the
-warpgroup's channels broadcast over the tile's columns in registers. GGUF's groups of 32 and
+(``group % bk == 0``), so its sum takes one scale per output channel, a row of the warpgroup's
+channels broadcast over the accumulator's columns (the step's rows). GGUF's groups of 32 and
 Q4_1's / AWQ's mins are not laid out: they take ``quant_linear``'s Triton kernel.
 
 Numerics: the codes enter the WGMMA as the integers they are (exact in bf16/f16) and each group's
