@@ -117,10 +117,10 @@ def test_plan_cuts_k_into_equal_splits():
     [
         (8, None, 8, jnp.bfloat16, (512,), None),  # one group a split: scales after its last step
         (8, None, 16, jnp.float32, (512,), None),
-        (4, 128, 8, jnp.bfloat16, (512,), None),  # a group a K step: scales after each
+        (4, 128, 8, jnp.bfloat16, (512,), 1),  # 8 one-group steps a split: each step's sum scaled
         (8, None, 8, jnp.bfloat16, (256, 64, 64), None),  # q, k, v in one launch (64-channel tiles)
         (4, 128, 16, jnp.bfloat16, (384, 384), None),  # gate and up
-        (4, 256, 8, jnp.bfloat16, (512,), 2),  # 2 steps a group, 4 a split: after each group's end
+        (4, 256, 8, jnp.bfloat16, (512,), 2),  # groups of 2 steps inside 4-step splits
     ],
 )
 def test_the_kernel_lowers_for_cuda(bits, group, rows, scale_dtype, widths, splits):
