@@ -35,8 +35,9 @@ if [ "${1:-}" = attention ]; then
   for ms in 128 512 1024; do split "attn_split${ms}_k128_c4096" 1 4096 32 "$ms" 128; done
   split defaults_b128_c512 128 512 16
   for ms in 128 512; do split "attn_split${ms}_k128_b128_c512" 128 512 16 "$ms" 128; done
-  # the KV pipeline at batch 128 (2 KV blocks a program: 3 stages of 128 slots hold 96 KiB of
-  # shared memory, two programs an SM), where the splits changed nothing
+  # the KV pipeline at batch 128 (2 KV blocks a program; 3 stages of 128-slot K and V tiles,
+  # 16 KiB each, may take up to 96 KiB of shared memory, which would hold an SM to two
+  # programs), where the splits changed nothing
   for t in 256:128:2 256:64:2 256:64:3; do
     IFS=: read -r ms bk st <<< "$t"
     split "attn_split${ms}_k${bk}_s${st}_b128_c512" 128 512 16 "$ms" "$bk" "$st"
