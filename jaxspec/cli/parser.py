@@ -349,6 +349,14 @@ DISTILL_OPTIONS = (
         "a draft of fewer layers is grown to --layers, its added layers starting as the "
         "identity",
     ),
+    (
+        "--reads",
+        "reads",
+        str,
+        "feature kind: the target states the head reads, comma-separated layer indices and "
+        "final (e.g. 1,14,final: EAGLE-3's fused low, middle and final states; default final: "
+        "EAGLE-1's); with --init-from an EAGLE-1 head, it starts reading the final state alone",
+    ),
     ("--seed", "seed", int, "data-order seed"),
     ("--samples", "samples", int, "temperature samples per prompt, besides the greedy one"),
     ("--temperature", "temperature", float, "temperature of those samples"),

@@ -28,7 +28,13 @@ from jaxspec.errors import CheckpointError, DraftError, OptionError
 from jaxspec.io import places
 from jaxspec.io.convert import _int_keys, _move_into_place, _save_params, _str_keys
 from jaxspec.io.paths import temp_dir, writing_beside
-from jaxspec.model.feature_head import EAGLE1_READS, abstract_head, head_model
+from jaxspec.model.feature_head import (
+    EAGLE1_READS,
+    abstract_head,
+    head_model,
+    parse_reads,
+    variant,
+)
 from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, Network, abstract_model
 from jaxspec.model.vocab_head import DEFAULT_SIZE, frequent_ids, with_vocab
@@ -203,7 +209,11 @@ def load_draft(path: PathLike, target: Model, *, vocab: int | str | None = "defa
             "update jaxspec or distil the draft again."
         )
     dtype = target.dtype
-    _, abstract = (abstract_head if kind == "feature" else abstract_model)(cfg, dtype)
+    reads = _reads_of(d, meta, cfg) if kind == "feature" else None
+    if kind == "feature":
+        _, abstract = abstract_head(cfg, dtype, reads)
+    else:
+        _, abstract = abstract_model(cfg, dtype)
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     want = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=dev),
@@ -222,10 +232,26 @@ def load_draft(path: PathLike, target: Model, *, vocab: int | str | None = "defa
         ) from None
     of = meta.get("target", {}).get("name") or target.name
     if kind == "feature":
-        draft = head_model(target, cfg, restored, f"feature-draft[{cfg.num_layers}L]({of})")
+        name = f"feature-draft[{cfg.num_layers}L]({of})"
+        draft = head_model(target, cfg, restored, name, reads)
     else:
         draft = _draft_model(target, cfg, restored, f"draft[{cfg.num_layers}L]({of})")
     return with_vocab(draft, _vocab_ids(d, vocab, cfg))
+
+
+def _reads_of(d: pathlib.Path, meta: dict, cfg: ModelConfig) -> tuple[int, ...]:
+    """A feature draft's ``reads`` from its ``draft.json`` (EAGLE-1's where it names none)."""
+    reads = meta.get("reads", list(EAGLE1_READS))
+    ok = isinstance(reads, list) and all(type(i) is int for i in reads)
+    text = ",".join("final" if i == -1 else str(i) for i in reads) if ok else ""
+    try:
+        return parse_reads(text, cfg.num_layers)
+    except OptionError:
+        raise CheckpointError(
+            f"{d / 'draft.json'} names reads {reads!r}, not layers of its config's "
+            f"{cfg.num_layers} with the final state (-1) among them; the file is damaged: "
+            "distil the draft again."
+        ) from None
 
 
 def _vocab_ids(d: pathlib.Path, vocab, cfg: ModelConfig) -> np.ndarray | None:
@@ -307,17 +333,18 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 
 def _write_draft(
-    dst, cfg, train, store_dtype, fp, *, training, kind="model", token_counts=None
+    dst, cfg, train, store_dtype, fp, *, training, kind="model", token_counts=None, reads=None
 ) -> pathlib.Path:
     """``draft.json`` + ``params/`` (only the draft's own weights) + the data's
     ``token_counts`` when given, atomically. ``kind``: "model" (a small decoder) or "feature" (an
-    EAGLE-1 head, ``model.feature_head``)."""
+    EAGLE head, ``model.feature_head``, over the target states ``reads``: EAGLE-1's if None)."""
+    reads = tuple(reads or EAGLE1_READS)
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(store_dtype), train)
     n_params = int(sum(x.size for x in jax.tree.leaves(weights)))
     meta = {
         "format": FORMAT,
         "kind": kind,
-        **({"variant": "eagle-1", "reads": list(EAGLE1_READS)} if kind == "feature" else {}),
+        **({"variant": variant(reads), "reads": list(reads)} if kind == "feature" else {}),
         "config": json.loads(cfg.to_json()),
         "dtype": np.dtype(store_dtype).name,
         "parameters": n_params,

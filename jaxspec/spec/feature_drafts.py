@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxspec.model import vocab_head
-from jaxspec.model.feature_head import apply_head, head_prefill
+from jaxspec.model.feature_head import apply_head, fuse_states, head_prefill
 from jaxspec.model.kv_cache import Block, KVCache, advance, causal_block, init_cache
 from jaxspec.model.transformer import Net
 from jaxspec.pytree import pytree_dataclass
@@ -44,11 +44,12 @@ from jaxspec.spec.sampling import Sampling, probs, sample
 @pytree_dataclass
 class Pending:
     """The head's cache (pairs of the target's states, committed) and the pairs not yet in it:
-    ``tokens[b, i]`` follows the target state ``feats[b, i]``, for ``i < count[b]``."""
+    ``tokens[b, i]`` follows the target states ``feats[b, i]`` (at the head's reads: ``r`` is
+    their count times the hidden size), for ``i < count[b]``."""
 
     cache: KVCache
     tokens: Int[Array, "b p"]
-    feats: Float[Array, "b p d"]
+    feats: Float[Array, "b p r"]
     count: Int[Array, " b"]
 
 
@@ -68,11 +69,13 @@ def start(net: Net, params, pre, first_token, width: int, room: int) -> Pending:
 def feed(net: Net, params, p: Pending, subset: bool = False):
     """The pending pairs as one ragged block: ``(logits [b, v], g [b, 1, d], cache)`` of the
     last pending pair (the first draft distribution and state), its K/V written; ``subset``
-    as ``transformer.apply``'s."""
+    as ``transformer.apply``'s. The pending states are the target's at the head's reads, fused
+    here (a fused-reads head's ``fuse``) once a round."""
     length = p.cache.length
     block = causal_block(length, length, p.count, p.tokens.shape[1])
+    feats = fuse_states(net, params, p.feats)
     logits, g, cache = apply_head(
-        net, params, p.tokens, p.feats, p.cache, block, (p.count - 1)[:, None], subset
+        net, params, p.tokens, feats, p.cache, block, (p.count - 1)[:, None], subset
     )
     return logits[:, 0], g, cache
 
@@ -173,7 +176,7 @@ class FeatureTreeDraft:
 
     def _fresh(self, p: Pending, root_token) -> FeatureTreeState:
         b, n = root_token.shape[0], self.capacity
-        state = jnp.zeros((b, n, p.feats.shape[-1]), p.feats.dtype)
+        state = jnp.zeros((b, n, self.net.cfg.hidden_size), p.feats.dtype)
         return FeatureTreeState(p, T.new_tree(root_token, n), state, jnp.zeros((b, n), bool))
 
     def grow(self, params, s: FeatureTreeState, *, expansions: int, width: int, branch: int):

@@ -78,7 +78,7 @@ from jaxspec.io.draft_checkpoint import (
     load_draft,
     token_counts_of,
 )
-from jaxspec.model.feature_head import FeatureModel, abstract_head
+from jaxspec.model.feature_head import EAGLE1_READS, FeatureModel, abstract_head, widened
 from jaxspec.model.transformer import Model, Net, abstract_model
 from jaxspec.train.data import (
     HOLDOUT,
@@ -89,7 +89,7 @@ from jaxspec.train.data import (
     _windows,
     generate_data,
 )
-from jaxspec.train.feature import feature_step, head_shapes, init_head
+from jaxspec.train.feature import feature_step, head_shapes, init_head, reads_of
 from jaxspec.train.recipe import (
     DATA_FIELDS,
     RECIPE_FIELDS,
@@ -111,18 +111,21 @@ class Kind:
 
     init: Callable  # (target, recipe) -> float32 pure dict of the trainable weights
     shapes: Callable  # (target, recipe) -> zeros of their shapes
-    graph: Callable  # (config, dtype) -> (graphdef, abstract params)
+    graph: Callable  # (config, dtype, reads) -> (graphdef, abstract params)
     step: Callable  # the jitted optimizer step, as recipe.train_step
     defaults: dict  # recipe values of this kind where the caller gives none
 
 
 KINDS = {
-    "model": Kind(init_draft, init_draft_shapes, abstract_model, train_step, {}),
+    "model": Kind(
+        init_draft, init_draft_shapes, lambda cfg, dtype, _: abstract_model(cfg, dtype),
+        train_step, {},
+    ),
     # EAGLE-1: one decoder layer over the target's states (train.feature)
     "feature": Kind(
         init_head, head_shapes, abstract_head, feature_step, {"layers": 1, "init": "random"}
     ),
-}
+}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -230,8 +233,10 @@ def distill(
                               save_every, progress)  # fmt: skip
     if stopped == "until_step":
         return DistillResult(out / "draft", st.step, st.total, history, meta, stopped)
+    reads = reads_of(target, recipe) if recipe.kind == "feature" else None
     path = _write_draft(
         out / "draft", dcfg, st.train, store_dtype, fp, kind=recipe.kind, token_counts=counts,
+        reads=reads,
         training={
             "recipe": dataclasses.asdict(recipe), "data": meta, "steps": st.step,
             "total_steps": st.total, "tokens_seen": st.step * recipe.batch * recipe.seq_len,
@@ -394,6 +399,14 @@ def _weights_of(target: Model, recipe: Recipe) -> dict:
             "--intermediate, and --layers no fewer than its."
         )
     own = _trainable(_pure(draft.params))
+    if kind == "feature" and draft.reads != reads_of(target, recipe):
+        if draft.reads != EAGLE1_READS:
+            raise OptionError(
+                f"init_from={recipe.init_from!r} reads the target's states {draft.reads} and "
+                f"this run's head {reads_of(target, recipe)}; a head is widened from an EAGLE-1 "
+                "one (reads 'final') only. Pass its --reads."
+            )
+        own = widened(own, KINDS[recipe.kind].init(target, recipe), reads_of(target, recipe))
     if cfg.num_layers < recipe.layers:
         own = grown(own, KINDS[recipe.kind].init(target, recipe))
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), own)
@@ -429,7 +442,8 @@ def _train(target, recipe, dcfg, windows, st, mngr, deadline, until_step, save_e
     stopped early: "budget", "until_step" or None)."""
     shared = _shared_of(target)
     kind = KINDS[recipe.kind]
-    dgraph = kind.graph(dcfg, target.dtype)[0]
+    reads = reads_of(target, recipe) if recipe.kind == "feature" else None
+    dgraph = kind.graph(dcfg, target.dtype, reads)[0]
     dstate = _assemble(jax.tree.map(lambda x: x.astype(target.dtype), st.train), shared)
     dnet = Net(
         dgraph, dcfg, TRAIN_KERNELS.resolve(dcfg), jax.tree.structure(dstate),

@@ -23,9 +23,15 @@ and the loss is their mean. The states fed back are constants for the gradient (
 steps run once more without it), so the cost is one forward of K·(T-1) pairs with its backward
 plus K - 1 smaller forwards. ``ttt_steps`` 1 is EAGLE-1's loss as above.
 
+With fused ``reads`` (EAGLE-3's input, ``model.feature_head``) the target's states at every read
+layer are the teacher's too: the noise is added to them all, the head's ``fuse`` (trained with
+the rest) maps them to its input, and the regression's target stays the final state ``f_{t+1}``,
+which the head's ``g`` stands in for when fed back.
+
 The teacher is computed inside the jitted step, like the small draft's; the target's embedding
 and LM head are the head's, frozen. The head starts from random weights (EAGLE-1's), or from a
-finished head's (``Recipe.init_from``; a shallower one grown by ``distill.grown``).
+finished head's (``Recipe.init_from``; a shallower one grown by ``distill.grown``, an EAGLE-1
+one given fused reads by ``feature_head.widened``).
 """
 
 from __future__ import annotations
@@ -38,16 +44,29 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.io.draft_checkpoint import _assemble
-from jaxspec.model.feature_head import SHARED, FeatureHead, apply_head, head_config
+from jaxspec.model.feature_head import (
+    SHARED,
+    FeatureHead,
+    apply_head,
+    fuse_states,
+    head_config,
+    parse_reads,
+)
 from jaxspec.model.kv_cache import Block, init_cache
 from jaxspec.model.transformer import FINAL, Model, Net, full_logits
 from jaxspec.train.recipe import Recipe, apply_grads, losses
 
 
+def reads_of(target: Model, recipe) -> tuple[int, ...]:
+    """The target states the recipe's head reads (``Recipe.reads``, parsed)."""
+    return parse_reads(recipe.reads, target.config.num_layers)
+
+
 def init_head(target: Model, recipe: Recipe) -> dict:
     """The head's trainable weights (float32 pure dict, without the shared arrays), random."""
     cfg = head_config(target.config, recipe.layers, recipe.intermediate)
-    module = FeatureHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(recipe.seed))
+    reads = reads_of(target, recipe)
+    module = FeatureHead(cfg, reads=reads, dtype=jnp.float32, rngs=nnx.Rngs(recipe.seed))
     pure = nnx.to_pure_dict(nnx.state(module))
     return {k: v for k, v in pure.items() if k not in SHARED}
 
@@ -55,7 +74,10 @@ def init_head(target: Model, recipe: Recipe) -> dict:
 def head_shapes(target: Model, recipe: Recipe) -> dict:
     """Zeros of the trainable weights' shapes (the restore template; no compute)."""
     cfg = head_config(target.config, recipe.layers, recipe.intermediate)
-    abstract = nnx.eval_shape(lambda: FeatureHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    reads = reads_of(target, recipe)
+    abstract = nnx.eval_shape(
+        lambda: FeatureHead(cfg, reads=reads, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    )
     pure = nnx.to_pure_dict(nnx.state(abstract))
     return jax.tree.map(
         lambda x: jnp.zeros(x.shape, jnp.float32),
@@ -127,21 +149,30 @@ def feature_step(train, opt_state, shared, tflat, tokens, step, total, *, tnet, 
     forward on the noisy pairs (and, with ``ttt_steps`` > 1, on its own states), EAGLE-1's
     loss, AdamW. The metrics are step 0's (the first draft step) and ``agree_last``, the last
     step's top-1 agreement."""
-    logits, states = full_logits(tnet, tflat, tokens, (FINAL,))
-    logits, states = jax.lax.stop_gradient((logits, states))
+    reads = parse_reads(recipe.reads, tnet.cfg.num_layers)
+    logits, read = full_logits(tnet, tflat, tokens, reads)
+    logits, read = jax.lax.stop_gradient((logits, read))
+    d = tnet.cfg.hidden_size
+    at = reads.index(FINAL) * d
+    states = read[..., at : at + d]  # the final states: the regression's targets
     dtype = tnet.dtype
     key = jax.random.fold_in(jax.random.key(17), step)  # the same noise on a resumed run
-    inputs = states[:, :-1]
-    noise = recipe.noise * (jax.random.uniform(key, inputs.shape, jnp.float32) - 0.5)
-    inputs = (inputs.astype(jnp.float32) + noise).astype(dtype)
+    inputs = read[:, :-1]
+    # each read's own noise; the final state's drawn as an EAGLE-1 head's (a widened head's
+    # first step is the EAGLE-1 head's to the bit)
+    keys = [key if i == FINAL else jax.random.fold_in(key, 1 + j) for j, i in enumerate(reads)]
+    shape = (*inputs.shape[:-1], d)
+    noise = [recipe.noise * (jax.random.uniform(k, shape, jnp.float32) - 0.5) for k in keys]
+    inputs = (inputs.astype(jnp.float32) + jnp.concatenate(noise, axis=-1)).astype(dtype)
     k, n = recipe.ttt_steps, inputs.shape[1]
     # step j's loss counts at positions t >= j, where its context exists (module docstring)
     weight = (jnp.arange(n)[None, :] >= jnp.arange(k)[:, None]).astype(jnp.float32)
     weight = weight / weight.sum(axis=1, keepdims=True) / k
 
     def loss_fn(w):
-        params = _assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared)
-        head_logits, g = ttt_forward(dnet, jax.tree.leaves(params), tokens[:, 1:], inputs, k)
+        flat = jax.tree.leaves(_assemble(jax.tree.map(lambda x: x.astype(dtype), w), shared))
+        fused = fuse_states(dnet, flat, inputs)  # themselves for an EAGLE-1 head
+        head_logits, g = ttt_forward(dnet, flat, tokens[:, 1:], fused, k)
         b = tokens.shape[0]
         # the K steps against one copy of the teacher ([B, 1, n, ...], broadcast): a tiled
         # [B, K·n, V] teacher and its log-probabilities made 57 GiB of temporaries at 32 x 512

@@ -15,6 +15,7 @@ import optax
 from jaxspec.errors import OptionError
 from jaxspec.io.draft_checkpoint import _assemble, _pure, _trainable, draft_config
 from jaxspec.kernels import KernelConfig
+from jaxspec.model.feature_head import parse_reads
 from jaxspec.model.quantized import dequantize_params
 from jaxspec.model.transformer import Model, abstract_model, full_logits, new_model
 from jaxspec.train.data import DataSpec
@@ -43,6 +44,7 @@ class Recipe:
     noise: float = 0.2  # feature kind: width of the uniform noise on the input states
     ttt_steps: int = 1  # feature kind: runs of the head on its own states (train.feature)
     init_from: str | None = None  # a finished draft of this kind and width, as deep or shallower
+    reads: str = "final"  # feature kind: the target states the head reads ("1,14,final": fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Optim:
     token_weight: float
     noise: float
     ttt_steps: int
+    reads: str
 
     @classmethod
     def of(cls, recipe: Recipe) -> Optim:
@@ -112,6 +115,13 @@ def _check_options(recipe: Recipe, spec: DataSpec, target: Model) -> None:
             "pass init='random' or leave it unset."
         )
     cfg = target.config
+    if recipe.kind == "feature":
+        parse_reads(recipe.reads, cfg.num_layers)
+    elif recipe.reads != "final":
+        raise OptionError(
+            f"reads={recipe.reads!r}: a small draft ('model' kind) reads tokens, not the "
+            "target's states. Use --kind feature or leave reads unset."
+        )
     if recipe.seq_len + 1 > cfg.max_position_embeddings:
         raise OptionError(
             f"seq_len={recipe.seq_len} does not fit the target's context of "
