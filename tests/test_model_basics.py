@@ -83,7 +83,10 @@ def test_min_gemm_rows_padding_keeps_results(where):
     resolved = kernels.resolve(m.config)
     assert stream_rows(1, resolved) == (8 if where == "stream" else None)
     assert stream_rows(9, resolved) is None
-    assert stream_rows(1, m.net().kernels) is None  # the CPU default pads nothing
+    # the defaults (named, whatever backend runs the test): the CPU's pads nothing, the GPU's
+    # pads a one-row stream to 8
+    assert stream_rows(1, KernelConfig().resolve(m.config, backend="cpu")) is None
+    assert stream_rows(1, KernelConfig().resolve(m.config, backend="gpu")) == 8
     padded = jm.with_params(m, m.params, kernels=kernels)
     assert padded.net().kernels == resolved and padded.net() != m.net()
     np.testing.assert_allclose(
