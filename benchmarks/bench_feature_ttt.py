@@ -1,18 +1,23 @@
-"""Does the training-time test help a feature head? Two runs that go on from the same finished
-head on the same target-written text, with the same recipe and number of steps, one with EAGLE-1's
-loss alone (``ttt_steps`` 1) and one with the test (``--ttt-steps``, default 3); then the pooled
+"""Does the training-time test help a feature head, or fused reads? Two runs that go on from the
+same finished head on the same target-written text, with the same recipe and number of steps: with
+``--compare ttt`` (the default) one with EAGLE-1's loss alone (``ttt_steps`` 1) and one with the
+test (``--ttt-steps``, default 3); with ``--compare reads`` both with the test, one reading the
+final state (EAGLE-1's input) and one ``--reads`` (default ``1,14,final``: EAGLE-3's fused low,
+middle and final states, the head widened from the finished one); then the pooled
 acceptance of the starting head and of both results, in a chain (gamma 4) and in a tree of
 depth 4 and bs 8 (``TREE``), on the first 20 HumanEval prompts (OpenAI, MIT licence; held out of the
 data), greedy, batch 1::
 
     .venv/bin/python benchmarks/bench_feature_ttt.py --work /tmp/ttt   # CPU: ~45 min
+    .venv/bin/python benchmarks/bench_feature_ttt.py --work /tmp/reads --compare reads
 
-The runs land in ``--work/ttt1`` and ``--work/tttK`` (the second reuses the first's data); a run
+The runs land in ``--work/<label>`` (``ttt1`` and ``tttK``, or ``final`` and the reads; the
+second reuses the first's data); a run
 whose finished draft is already there with the same recipe and data is measured, not trained
 again (its ``draft.json`` keeps the command that trained it). Every speculative output is
 compared with autoregressive decoding's (float32 on a CPU: all must be equal). Writes
-``benchmarks/results/feature_ttt.json``: a row per head, and ``chain_gain`` / ``tree_gain``, the
-test's run less the plain one.
+``benchmarks/results/feature_ttt.json`` (``feature_reads.json`` for ``--compare reads``): a row
+per head, and ``chain_gain`` / ``tree_gain``, the second run less the first.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def parse(argv=None):
         "--start", default=str(SHIPPED_FEATURE), help="the finished head both go on from"
     )
     ap.add_argument("--work", required=True, help="folder of the two distill runs")
+    ap.add_argument("--compare", choices=("ttt", "reads"), default="ttt")
+    ap.add_argument("--reads", default="1,14,final", help="--compare reads: the second head's")
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=4)
@@ -125,15 +132,20 @@ def main(argv=None) -> int:
         batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, data=args.data,
         samples=args.samples, max_new=args.max_new_tokens, gen_batch=args.gen_batch,
     )  # fmt: skip
+    k = args.ttt_steps
+    if args.compare == "ttt":  # (label, what it trains with, what the log says)
+        runs = [("ttt1", {"ttt_steps": 1}, "EAGLE-1's loss alone"),
+                (f"ttt{k}", {"ttt_steps": k}, f"the training-time test, {k} steps")]  # fmt: skip
+    else:
+        runs = [("final", {"ttt_steps": k, "reads": "final"}, "the final state read"),
+                (args.reads, {"ttt_steps": k, "reads": args.reads},
+                 f"reads {args.reads}")]  # fmt: skip
     heads = [("start", pathlib.Path(args.start), None, 0.0)]
-    log(t0, "training with EAGLE-1's loss alone")
-    plain, s1 = trained(target, work / "ttt1", {**options, "ttt_steps": 1}, None)
-    heads.append(("ttt1", plain, 1, s1))
-    log(t0, f"training with the training-time test, {args.ttt_steps} steps")
-    name = f"ttt{args.ttt_steps}"
-    test, sk = trained(target, work / name, {**options, "ttt_steps": args.ttt_steps},
-                       work / "ttt1" / "data")  # fmt: skip
-    heads.append((name, test, args.ttt_steps, sk))
+    for i, (label, extra, says) in enumerate(runs):
+        log(t0, f"training with {says}")
+        data = work / runs[0][0] / "data" if i else None
+        path, seconds = trained(target, work / label, {**options, **extra}, data)
+        heads.append((label, path, extra["ttt_steps"], seconds))
     ids = [target.tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
     width = -(-max(len(p) for p in ids) // 64) * 64
     rows = []
@@ -142,7 +154,8 @@ def main(argv=None) -> int:
         meta = json.loads((path / "draft.json").read_text())
         training = meta.get("training", {})
         rows.append({
-            "head": label, "ttt_steps": k, "trained_steps": training.get("steps"),
+            "head": label, "ttt_steps": k, "reads": meta.get("reads"),
+            "trained_steps": training.get("steps"),
             "tokens_seen": training.get("tokens_seen"), "train_s": round(seconds, 1),
             "last_steps": training.get("last_steps"), "trained_by": training.get("command"),
             **acceptance(target, load_draft(path, target), ids, width, args),
@@ -160,12 +173,12 @@ def main(argv=None) -> int:
         },
         "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
-    write("feature_ttt.json", payload, args.out)
+    write(f"feature_{args.compare}.json", payload, args.out)
     print(json.dumps({k: payload[k] for k in ("chain_gain", "tree_gain")}))
     for r in rows:
         chain, tree = r["chain_acceptance_pooled"], r["tree_acceptance_pooled"]
         print(
-            f"{r['head']:>6} chain {chain:.3f} tree {tree:.3f} {r['identical_to_autoregressive']}"
+            f"{r['head']:>10} chain {chain:.3f} tree {tree:.3f} {r['identical_to_autoregressive']}"
         )
     return 0
 
