@@ -17,7 +17,7 @@ from jaxspec.engines import autoregressive, base, tree
 from jaxspec.errors import OptionError
 from jaxspec.model import feature_head, sharding, tensor_parallel
 from jaxspec.model import quantized as Q
-from jaxspec.model.transformer import Net
+from jaxspec.model.transformer import FINAL, Net
 from jaxspec.model.vocab_head import with_vocab
 from jaxspec.spec.sampling import Sampling
 from tests import tiny
@@ -118,11 +118,12 @@ def test_shard_map_step_of_a_quantized_target_is_greedy_equal_to_one_device(bits
 
 @SLOW
 def test_shard_map_step_feeds_a_feature_draft_the_targets_whole_states():
-    """A feature draft (EAGLE-1 head) reads the target's final states, which the explicit step
-    returns whole beside its vocabulary-split logits: chain output is the target's greedy."""
+    """A feature draft reads the target's states (here fused: the first layer's output and the
+    final state), which the explicit step returns whole beside its vocabulary-split logits:
+    chain output is the target's greedy."""
     target, _, ps, ref = models()
     pt = placed(target, 2)
-    head = feature_head.random_head(pt, seed=1)
+    head = feature_head.random_head(pt, seed=1, reads=(0, FINAL))
     r = generate(pt, ps, draft=head, gamma=3, max_new_tokens=NEW, kernels=TP, method="chain")
     assert r.tokens == ref
 
