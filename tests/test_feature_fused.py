@@ -30,6 +30,7 @@ from tests.test_feature_distill import PROMPTS, RUN
 from tests.test_feature_ttt import drafted
 
 READS = (0, FINAL)  # the first layer's output beside the final state (the tiny target has 2)
+LAST = (1, FINAL)  # the target's last layer: an index past the 1-layer head's own layers
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_a_widened_head_computes_what_the_eagle1_head_did(target):
 def test_a_distill_widens_an_eagle1_head_stores_its_reads_and_drafts_losslessly(target, tmp_path):
     first = D.distill(target, tmp_path / "a", prompts=PROMPTS, steps=12, save_every=50, **RUN)
     run = D.distill(target, tmp_path / "b", prompts=PROMPTS, steps=4, save_every=50,
-                    init_from=str(first.path), reads="0,final", **RUN)  # fmt: skip
+                    init_from=str(first.path), reads="1,final", **RUN)  # fmt: skip
     assert run.steps == 4 and all(np.isfinite(r["loss"]) for r in run.history)
     # its first step's loss is the EAGLE-1 head's on the same batch (the widened head computes
     # what it did), not a fresh head's
@@ -78,9 +79,9 @@ def test_a_distill_widens_an_eagle1_head_stores_its_reads_and_drafts_losslessly(
                      init_from=str(first.path), **RUN)  # fmt: skip
     assert run.history[0]["kl"] == pytest.approx(same.history[0]["kl"], rel=1e-5)
     meta = json.loads(run.path.joinpath("draft.json").read_text())
-    assert (meta["variant"], meta["reads"]) == ("eagle-3-fused", [0, -1])
+    assert (meta["variant"], meta["reads"]) == ("eagle-3-fused", [1, -1])
     head = load_draft(run.path, target, vocab=None)
-    assert head.reads == READS and "fuse" in own_of(head)
+    assert head.reads == LAST and "fuse" in own_of(head)
     assert not np.array_equal(  # training moved the fuse off the final state alone
         np.asarray(own_of(head)["fuse"]["kernel"][: target.config.hidden_size]), 0
     )
@@ -91,7 +92,7 @@ def test_a_distill_widens_an_eagle1_head_stores_its_reads_and_drafts_losslessly(
     # a fused head is not widened again into other reads
     with pytest.raises(OptionError, match="widened from an EAGLE-1"):
         D.distill(target, tmp_path / "c", prompts=PROMPTS, steps=2, init_from=str(run.path),
-                  reads="1,final", **RUN)  # fmt: skip
+                  reads="0,final", **RUN)  # fmt: skip
 
 
 @pytest.mark.parametrize(

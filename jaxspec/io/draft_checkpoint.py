@@ -209,7 +209,7 @@ def load_draft(path: PathLike, target: Model, *, vocab: int | str | None = "defa
             "update jaxspec or distil the draft again."
         )
     dtype = target.dtype
-    reads = _reads_of(d, meta, cfg) if kind == "feature" else None
+    reads = _reads_of(d, meta, target.config) if kind == "feature" else None
     if kind == "feature":
         _, abstract = abstract_head(cfg, dtype, reads)
     else:
@@ -240,7 +240,8 @@ def load_draft(path: PathLike, target: Model, *, vocab: int | str | None = "defa
 
 
 def _reads_of(d: pathlib.Path, meta: dict, cfg: ModelConfig) -> tuple[int, ...]:
-    """A feature draft's ``reads`` from its ``draft.json`` (EAGLE-1's where it names none)."""
+    """A feature draft's ``reads`` from its ``draft.json`` (EAGLE-1's where it names none),
+    layers of the target of config ``cfg``."""
     reads = meta.get("reads", list(EAGLE1_READS))
     ok = isinstance(reads, list) and all(type(i) is int for i in reads)
     text = ",".join("final" if i == -1 else str(i) for i in reads) if ok else ""
@@ -248,9 +249,9 @@ def _reads_of(d: pathlib.Path, meta: dict, cfg: ModelConfig) -> tuple[int, ...]:
         return parse_reads(text, cfg.num_layers)
     except OptionError:
         raise CheckpointError(
-            f"{d / 'draft.json'} names reads {reads!r}, not layers of its config's "
-            f"{cfg.num_layers} with the final state (-1) among them; the file is damaged: "
-            "distil the draft again."
+            f"{d / 'draft.json'} names reads {reads!r}, not layers of the target's "
+            f"{cfg.num_layers} with the final state (-1) among them; the file is damaged or the "
+            "draft is another target's: distil the draft again."
         ) from None
 
 
