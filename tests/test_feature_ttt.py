@@ -18,6 +18,7 @@ from jaxspec.model.feature_head import apply_head, random_head
 from jaxspec.model.kv_cache import causal_block, init_cache
 from jaxspec.train import distill as D
 from jaxspec.train.feature import ttt_block, ttt_forward
+from jaxspec.train.init_from import grown
 from tests import tiny
 from tests.test_feature_distill import PROMPTS, RUN
 
@@ -113,7 +114,7 @@ def test_init_from_a_head_of_another_shape_is_refused(target, tmp_path):
 
 
 def test_a_grown_head_computes_what_the_shallower_one_did(target):
-    """``distill.grown``: a 1-layer head deepened to 3 layers (its own layer first, then two
+    """``init_from.grown``: a 1-layer head deepened to 3 layers (its own layer first, then two
     whose output projections are zero) gives the same logits and states at every step of a
     draft, and its added layers are not the identity once those projections are not zero."""
     from jaxspec.model.feature_head import head_config, head_model
@@ -124,7 +125,7 @@ def test_a_grown_head_computes_what_the_shallower_one_did(target):
     pure = nnx.to_pure_dict(small.params)
     own = {k: v for k, v in pure.items() if k not in ("embed_tokens", "lm_head")}
     fresh = init_head(target, Recipe(kind="feature", layers=3, intermediate=32, init="random"))
-    deep_own = D.grown(own, fresh)
+    deep_own = grown(own, fresh)
     assert sorted(deep_own["layers"]) == [0, 1, 2]
     cfg = head_config(target.config, 3, 32)
     deep = head_model(target, cfg, deep_own, "grown")

@@ -66,11 +66,9 @@ from jaxspec.io.datasets import humaneval
 from jaxspec.io.draft_checkpoint import (
     PathLike,
     _assemble,
-    _pure,
     _read_json,
     _same_target,
     _shared_of,
-    _trainable,
     _write_atomic,
     _write_draft,
     draft_config,
@@ -78,7 +76,7 @@ from jaxspec.io.draft_checkpoint import (
     load_draft,
     token_counts_of,
 )
-from jaxspec.model.feature_head import EAGLE1_READS, FeatureModel, abstract_head, widened
+from jaxspec.model.feature_head import abstract_head
 from jaxspec.model.transformer import Model, Net, abstract_model
 from jaxspec.train.data import (
     HOLDOUT,
@@ -90,6 +88,7 @@ from jaxspec.train.data import (
     generate_data,
 )
 from jaxspec.train.feature import feature_step, head_shapes, init_head, reads_of
+from jaxspec.train.init_from import weights_from
 from jaxspec.train.recipe import (
     DATA_FIELDS,
     RECIPE_FIELDS,
@@ -361,7 +360,7 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
         train = (
             KINDS[recipe.kind].init(target, recipe)
             if recipe.init_from is None
-            else _weights_of(target, recipe)
+            else weights_from(target, recipe, KINDS[recipe.kind].init)
         )
         return _State(train, opt.init(train), 0, 0, recipe.steps, fixed_total)
     train0 = KINDS[recipe.kind].shapes(target, recipe)
@@ -379,53 +378,6 @@ def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _Stat
     return _State(
         train, opt_state, int(st["step"]), int(st["data_position"]), int(st["total_steps"]), True
     )
-
-
-def _weights_of(target: Model, recipe: Recipe) -> dict:
-    """The trainable weights (float32) of the finished draft ``recipe.init_from``, which must be
-    of the recipe's kind and MLP width, distilled for ``target``, with at most the recipe's
-    layers: a run that goes on from it with another recipe (a training-time test, more data, a
-    deeper draft) and a fresh optimizer and schedule. A shallower draft is grown (``grown``)."""
-    draft = load_draft(recipe.init_from, target, vocab=None)  # the weights, the whole head
-    kind = "feature" if isinstance(draft, FeatureModel) else "model"
-    cfg = draft.config
-    if (kind, cfg.intermediate_size) != (recipe.kind, recipe.intermediate) or (
-        cfg.num_layers > recipe.layers
-    ):
-        raise OptionError(
-            f"init_from={recipe.init_from!r} is a {kind} draft of {cfg.num_layers} layers and "
-            f"MLP width {cfg.intermediate_size}; this run trains a {recipe.kind} draft of "
-            f"{recipe.layers} and {recipe.intermediate}. Pass the same --kind and "
-            "--intermediate, and --layers no fewer than its."
-        )
-    own = _trainable(_pure(draft.params))
-    if kind == "feature" and draft.reads != reads_of(target, recipe):
-        if draft.reads != EAGLE1_READS:
-            raise OptionError(
-                f"init_from={recipe.init_from!r} reads the target's states {draft.reads} and "
-                f"this run's head {reads_of(target, recipe)}; a head is widened from an EAGLE-1 "
-                "one (reads 'final') only. Pass its --reads."
-            )
-        own = widened(own, KINDS[recipe.kind].init(target, recipe), reads_of(target, recipe))
-    if cfg.num_layers < recipe.layers:
-        own = grown(own, KINDS[recipe.kind].init(target, recipe))
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), own)
-
-
-def grown(own: dict, fresh: dict) -> dict:
-    """A draft's weights ``own`` deepened to the layer count of ``fresh`` (a random draft of the
-    wanted shape): its own layers first, then ``fresh``'s later layers with their output
-    projections (o_proj, down) zero. A decoder layer adds those projections to its residual
-    stream and nothing else, so each added layer starts as the identity and the grown draft
-    computes exactly what ``own`` did (progressive stacking); training then opens the new
-    layers through those zero projections, whose gradients are not zero."""
-    layers = dict(own["layers"])
-    for i in range(len(layers), len(fresh["layers"])):
-        layer = jax.tree.map(lambda x: x, fresh["layers"][i])  # a copy of the nesting
-        for block, proj in (("self_attn", "o_proj"), ("mlp", "down_proj")):
-            layer[block][proj]["kernel"] = jnp.zeros_like(layer[block][proj]["kernel"])
-        layers[i] = layer
-    return {**own, "layers": layers}
 
 
 # Steps whose median time fixes the step count under a budget: the whole warmup (the learning

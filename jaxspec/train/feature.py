@@ -30,7 +30,7 @@ which the head's ``g`` stands in for when fed back.
 
 The teacher is computed inside the jitted step, like the small draft's; the target's embedding
 and LM head are the head's, frozen. The head starts from random weights (EAGLE-1's), or from a
-finished head's (``Recipe.init_from``; a shallower one grown by ``distill.grown``, an EAGLE-1
+finished head's (``Recipe.init_from``; a shallower one grown by ``init_from.grown``, an EAGLE-1
 one given fused reads by ``feature_head.widened``).
 """
 
