@@ -1,22 +1,27 @@
-"""Does the training-time test help a feature head, or fused reads? Two runs that go on from the
-same finished head on the same target-written text, with the same recipe and number of steps: with
-``--compare ttt`` (the default) one with EAGLE-1's loss alone (``ttt_steps`` 1) and one with the
-test (``--ttt-steps``, default 3); with ``--compare reads`` both with the test, one reading the
-final state (EAGLE-1's input) and one ``--reads`` (default ``1,14,final``: EAGLE-3's fused low,
-middle and final states, the head widened from the finished one); then the pooled
+"""Does the training-time test help a feature head, fused reads, or the state regression? Two runs
+that go on from the same finished head on the same target-written text, with the same recipe and
+number of steps: with ``--compare ttt`` (the default) one with EAGLE-1's loss alone
+(``ttt_steps`` 1) and one with the test (``--ttt-steps``, default 3); with ``--compare reads``
+both with the test, one reading the final state (EAGLE-1's input) and one ``--reads`` (default
+``1,14,final``: EAGLE-3's fused low, middle and final states, the head widened from the finished
+one); with ``--compare regression`` both with the test and the final state, one keeping the
+regression of the head's state onto the target's (``feature_weight`` 1, ours) and one without it
+(``feature_weight`` 0: EAGLE-3 trains on the tokens alone); then the pooled
 acceptance of the starting head and of both results, in a chain (gamma 4) and in a tree of
 depth 4 and bs 8 (``TREE``), on the first 20 HumanEval prompts (OpenAI, MIT licence; held out of the
 data), greedy, batch 1::
 
     .venv/bin/python benchmarks/bench_feature_ttt.py --work /tmp/ttt   # CPU: ~45 min
     .venv/bin/python benchmarks/bench_feature_ttt.py --work /tmp/reads --compare reads
+    .venv/bin/python benchmarks/bench_feature_ttt.py --work /tmp/reads --compare regression
 
-The runs land in ``--work/<label>`` (``ttt1`` and ``tttK``, or ``final`` and the reads; the
-second reuses the first's data); a run
+The runs land in ``--work/<label>`` (``ttt1`` and ``tttK``; ``final`` and the reads; ``final``
+and ``noregression``: the second reuses the first's data); a run
 whose finished draft is already there with the same recipe and data is measured, not trained
 again (its ``draft.json`` keeps the command that trained it). Every speculative output is
 compared with autoregressive decoding's (float32 on a CPU: all must be equal). Writes
-``benchmarks/results/feature_ttt.json`` (``feature_reads.json`` for ``--compare reads``): a row
+``benchmarks/results/feature_<compare>.json`` (``feature_ttt.json``, ``feature_reads.json``,
+``feature_regression.json``): a row
 per head, and ``chain_gain`` / ``tree_gain``, the second run less the first.
 """
 
@@ -50,7 +55,7 @@ def parse(argv=None):
         "--start", default=str(SHIPPED_FEATURE), help="the finished head both go on from"
     )
     ap.add_argument("--work", required=True, help="folder of the two distill runs")
-    ap.add_argument("--compare", choices=("ttt", "reads"), default="ttt")
+    ap.add_argument("--compare", choices=("ttt", "reads", "regression"), default="ttt")
     ap.add_argument("--reads", default="1,14,final", help="--compare reads: the second head's")
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
@@ -136,10 +141,14 @@ def main(argv=None) -> int:
     if args.compare == "ttt":  # (label, what it trains with, what the log says)
         runs = [("ttt1", {"ttt_steps": 1}, "EAGLE-1's loss alone"),
                 (f"ttt{k}", {"ttt_steps": k}, f"the training-time test, {k} steps")]  # fmt: skip
-    else:
+    elif args.compare == "reads":
         runs = [("final", {"ttt_steps": k, "reads": "final"}, "the final state read"),
                 (args.reads, {"ttt_steps": k, "reads": args.reads},
                  f"reads {args.reads}")]  # fmt: skip
+    else:  # the first is --compare reads' first run, reused when --work is the same
+        runs = [("final", {"ttt_steps": k, "reads": "final"}, "the state regression"),
+                ("noregression", {"ttt_steps": k, "reads": "final", "feature_weight": 0.0},
+                 "no state regression (EAGLE-3's tokens-only loss)")]  # fmt: skip
     heads = [("start", pathlib.Path(args.start), None, 0.0)]
     for i, (label, extra, says) in enumerate(runs):
         log(t0, f"training with {says}")
@@ -155,6 +164,7 @@ def main(argv=None) -> int:
         training = meta.get("training", {})
         rows.append({
             "head": label, "ttt_steps": k, "reads": meta.get("reads"),
+            "feature_weight": training.get("recipe", {}).get("feature_weight"),
             "trained_steps": training.get("steps"),
             "tokens_seen": training.get("tokens_seen"), "train_s": round(seconds, 1),
             "last_steps": training.get("last_steps"), "trained_by": training.get("command"),

@@ -391,12 +391,23 @@ def table_rows(device: str, run: dict) -> list[dict]:
     return out
 
 
-def save(out: pathlib.Path, device: str, run: dict) -> dict:
+def save(out: pathlib.Path, device: str, run: dict, asked: list[str]) -> dict:
     """Write this run as the ``device`` section of ``out``, keeping the other device's section
     (the GPU runner starts from the committed file), with the headline ratios and the rows of
-    both on top."""
+    both on top. A section of this device that the run was not asked for (``--sections``: the
+    GPU runner leaves ``real`` out where it has no GGUF) stays from the file, with the date and
+    commit of the run that measured it under ``carried``."""
     old = json.loads(out.read_text()) if out.is_file() else {}
     sections = {k: old[k] for k in ("cpu", "gpu") if k in old}
+    before = sections.get(device, {})
+    run = dict(run)
+    for name in SECTIONS:
+        if name not in asked and name in before:
+            run[name] = before[name]
+            was = before.get("carried", {}).get(name) or {
+                k: before.get(k) for k in ("date", "commit", "device")
+            }
+            run.setdefault("carried", {})[name] = was
     sections[device] = run
     meta = {k: run[k] for k in ("date", "device", "jax", "commit", "command") if k in run}
     rows = [row for d in ("gpu", "cpu") if d in sections for row in table_rows(d, sections[d])]
@@ -421,7 +432,10 @@ def main():
     device = "gpu" if jax.default_backend() == "gpu" else "cpu"
     run = {**metadata(), "command": "python " + " ".join(sys.argv)}
     tiles, payload = {}, {}
-    for section in [s for s in args.sections.split(",") if s]:
+    asked = [s for s in args.sections.split(",") if s]
+    if unknown := sorted(set(asked) - set(SECTIONS)):
+        ap.error(f"unknown sections {unknown}: choose from {','.join(SECTIONS)}")
+    for section in asked:
         if time.perf_counter() - start > args.budget_s:
             run.setdefault("skipped", []).append(section)
             continue
@@ -437,7 +451,7 @@ def main():
         elif section == "real":
             run["real"] = real(args.new, args.repeats)
         run.setdefault("section_s", {})[section] = round(time.perf_counter() - t0, 1)
-        payload = save(out, device, run)
+        payload = save(out, device, run, asked)
         print(f"{section}: {run['section_s'][section]} s", flush=True)
     shown = {k: v for k, v in payload.items() if k not in ("cpu", "gpu", "rows")}
     print(json.dumps(shown, indent=2))

@@ -3,8 +3,9 @@
 # on the GPU (float32 and bfloat16; the WGMMA kernel's, bf16), then bench_quantized.py: the decode
 # check, the kernels' tile sweep, Llama-3-8B-shape decode steps in bf16 / int8 / int4 and
 # SmolLM2-shape bf16 / Q4_1 (random weights), and the real SmolLM2-135M Q4_1 kept quantized
-# against dequantized to bf16 (needs the GGUF, README.md: without it that section is left out and
-# the rest runs). About 4 minutes on an H100 (2026-12-06).
+# against dequantized to bf16 (needs the GGUF, README.md: without it that section is not run and
+# the committed one stays, its date and commit under "carried"). About 4 minutes on an H100
+# (2026-12-06).
 # Writes $OUT/quantized.json (results/quantized.json: the committed CPU section kept beside this
 # run's GPU one), $OUT/quantized.log, $OUT/quantized_tests.log.
 set -u
