@@ -156,6 +156,16 @@ def norm_project_reference(x, pending, g, ws, *, eps: float):
     return x, [_mm(n, w) for w in ws]
 
 
+def norm_then_project(x, pending, g, ws, *, eps: float, **tiles):
+    """:func:`norm_project` for a block of several rows (a verify): the settle and the norm once,
+    as XLA's fusion, then :func:`project`'s kernel. ``norm_project``'s programs each read the
+    whole row's pending partials for the norm, which is free for one row and not for 16
+    (SmolLM2's down partials: 442 KiB a program, 75 programs a Q/K/V projection). Same
+    arithmetic as the kernel's: only the norm's sum of squares may differ in order."""
+    x = settle(x, pending)
+    return x, project(rms(x, g, eps), ws, **tiles)
+
+
 def combine_project_reference(acc, m, ssum, w, *, t: int):
     """``combine(splits) @ w``: the attention output merged from its splits by log-sum-exp
     (``decode_attention.combine``), as ``[B * T, H * hd]`` rows, times ``w``."""

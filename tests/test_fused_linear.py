@@ -211,7 +211,10 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     """Greedy tokens (float32) of autoregressive and chain decoding with every decode / verify
     step through the split-K kernels equal the plain path's; prefill chunks (more rows) take the
     plain path either way. With the fused attention kernel on, it sums the Q/K/V partials;
-    with it off, the model sums them before RoPE."""
+    with it off, the model sums them before RoPE. Autoregressive decodes one row (one-row
+    steps: the norms and the merge of the attention's splits inside the projection kernels);
+    the chain a ragged batch of two (its 8-row verify and 2-row draft steps: the norms and the
+    merge once, beside the projections)."""
     # shapes the kernels take (the default tiny model's head_dim 8 is too small for them)
     target = tiny.model(seed, **SHAPE)
     draft = tiny.perturbed(target, 0.3, seed)
@@ -233,6 +236,13 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
     monkeypatch.setattr(
         fl, "combine_project", lambda *a, **k: merged.append(1) or real_merge(*a, **k)
     )
+    wide = []  # row counts of the projections of several rows
+    real_project = fl.project
+    monkeypatch.setattr(
+        fl,
+        "project",
+        lambda a, *r, **k: (a.shape[0] > 1 and wide.append(a.shape[0])) or real_project(a, *r, **k),
+    )
     runs = {}
     for impl in ("off", "interpret"):
         # 16 x 16 tiles: several column tiles and K splits in every projection; the fused
@@ -242,7 +252,7 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
             fused_linear=impl, linear_tile=(16, 16, 4), linear_rows=16, fused_attention=attention
         )
         _clear()
-        ar = jaxspec.generate(target, prompts, max_new_tokens=12, kernels=kernels)
+        ar = jaxspec.generate(target, prompts[:1], max_new_tokens=12, kernels=kernels)
         chain = jaxspec.generate(
             target, prompts, max_new_tokens=12, method="chain", draft=draft, gamma=3,
             kernels=kernels,
@@ -255,16 +265,20 @@ def test_decoding_through_the_kernels_equals_the_plain_path(seed, attention, mon
         ).tokens  # fmt: skip
         runs[impl] = (ar.tokens, chain.tokens, chain.stats["acceptance_length"], tree)
         assert bool(traced) == (impl == "interpret")
+        assert bool(wide) == (impl == "interpret")
     _clear()
+    assert {2, 8} <= set(wide), wide  # the chain's draft steps and verify
     assert traced, "the fused kernels were never traced: the test compared the plain path twice"
     # with the fused attention kernel on, it took the projections as partials (5-D) and o_proj
     # merged its splits
     assert (5 in ranks) == bool(merged) == (attention == "interpret")
-    # where o_proj merges the splits it asks for its split length and bound (fl.COMBINE_BOUNDS)
+    # where o_proj merges the splits (one row) it asks for its split length and bound
+    # (fl.COMBINE_BOUNDS); blocks of more rows take the kernel's own plan, merged in XLA
     want = (fl.COMBINE_MIN_SPLIT, fl.COMBINE_SPLITS)
-    assert bounds == ({want} if attention == "interpret" else set())
+    assert bounds == ({want, (None, None)} if attention == "interpret" else set())
     assert runs["interpret"][0] == runs["off"][0]
-    assert runs["interpret"][1] == runs["off"][0]
+    assert runs["interpret"][1] == runs["off"][1]
+    assert runs["off"][1][:1] == runs["off"][0]
     assert runs["interpret"][2] == runs["off"][2]
     if seed == 2:
         assert runs["interpret"][3][0] == runs["off"][0][0][:8]

@@ -98,7 +98,13 @@ class DecoderLayer(nnx.Module):
         wq, wk, wv, wo, wg, wu, wd = self.weights()
         bn, bk, warps = kernels.linear_tile
         tiles = dict(interpret=mode == "interpret", bn=bn, bk=bk, num_warps=warps)
-        fl = functools.partial(fused_linear.norm_project, **tiles)
+        # one row: the norms and the attention's merge inside the projection kernels (five
+        # kernels a layer); more (a verify block): each once, in XLA, beside the projections
+        # (eight), since every program of a kernel would redo them for all the rows
+        one_row = x.shape[0] == 1
+        fl = functools.partial(
+            fused_linear.norm_project if one_row else fused_linear.norm_then_project, **tiles
+        )
         x, qkv = fl(
             x,
             pending,
@@ -108,7 +114,7 @@ class DecoderLayer(nnx.Module):
         )
         qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
         out, k_cache, v_cache = attn.attend(
-            qkv, cos, sin, k_cache, v_cache, length, block, kernels, splits=True
+            qkv, cos, sin, k_cache, v_cache, length, block, kernels, splits=one_row
         )
         if isinstance(out, rope_attention.Splits):  # o_proj merges the splits as it loads
             o = fused_linear.combine_project(*out, wo, t=t, **tiles)
