@@ -22,6 +22,10 @@ The Q/K/V partials go to ``rope_attention``, which sums them as it loads its hea
 down's partials are summed by the caller. A decode layer is then five kernels (four projections
 and the attention) against eleven.
 
+A block of several rows (a verify) takes ``norm_then_project`` instead of ``norm_project`` and
+o_proj's plain ``project`` after the attention has merged its splits: the norm and the merge
+once, in XLA fusions, rather than in every program (eight kernels a layer).
+
 The earlier version of this file (one kernel a projection, no split-K, ``[K, 16]`` weight tiles)
 took 8.5-8.8 us a kernel on the H200: 30-96 programs each reading a narrow column strip, ~7 GB/s
 per program (benchmarks/notes/small_step_probe.md). Here program ``(j, s)`` of the grid
