@@ -5,9 +5,8 @@ partial sums instead of a finished product.
 Why: at batch 1 a small model is bound by the number of its kernels, not by its bytes. On the
 H200 SmolLM2-135M's step is ~341 kernels of ~2.4 us, 11 a layer: the norm, the Q/K/V GEMM, its
 split-K sum, the attention kernel, its combine, o_proj, the residual add, the second norm,
-gate/up, SiLU * up and down (git show 785ba73:benchmarks/notes/small_step_probe_s9.md). XLA splits K
-to fill the
-GPU and sums the splits in a kernel of its own. Here the sum happens in the consumer's prologue:
+gate/up, SiLU * up and down (git show 785ba73:benchmarks/notes/small_step_probe_s9.md). XLA
+splits K to fill the GPU and sums the splits in a kernel of its own. Here the consumer sums them:
 
 - ``norm_project(x, pending, g, ws)``: ``x + round(sum(pending))`` (the residual add of the
   previous projection), RMSNorm, then ``[n @ w for w in ws]`` as partials. Q/K/V and gate/up.
@@ -18,13 +17,9 @@ GPU and sums the splits in a kernel of its own. Here the sum happens in the cons
 - ``silu_project(gate_up, w)``: ``silu(round(sum gate)) * round(sum up)``, then ``@ w`` as
   partials (down).
 
-The Q/K/V partials go to ``rope_attention``, which sums them as it loads its heads; the last
-down's partials are summed by the caller. A decode layer is then five kernels (four projections
-and the attention) against eleven.
-
-A block of several rows (a verify) takes ``norm_then_project`` instead of ``norm_project`` and
-o_proj's plain ``project`` after the attention has merged its splits: the norm and the merge
-once, in XLA fusions, rather than in every program (eight kernels a layer).
+The Q/K/V partials go to ``rope_attention``, which sums them as it loads its heads; the caller
+sums the last down's. A decode layer is five kernels (four projections, the attention), not 11;
+a verify block's, eight (``norm_then_project``, o_proj after the attention merged its splits).
 
 The earlier version of this file (one kernel a projection, no split-K, ``[K, 16]`` weight tiles)
 took 8.5-8.8 us a kernel on the H200: 30-96 programs each reading a narrow column strip, ~7 GB/s
@@ -161,11 +156,8 @@ def norm_project_reference(x, pending, g, ws, *, eps: float):
 
 
 def norm_then_project(x, pending, g, ws, *, eps: float, **tiles):
-    """:func:`norm_project` for a block of several rows (a verify): the settle and the norm once,
-    as XLA's fusion, then :func:`project`'s kernel. ``norm_project``'s programs each read the
-    whole row's pending partials for the norm, which is free for one row and not for 16
-    (SmolLM2's down partials: 442 KiB a program, 75 programs a Q/K/V projection). Same
-    arithmetic as the kernel's: only the norm's sum of squares may differ in order."""
+    """:func:`norm_project` for several rows (a verify): the settle and norm once (XLA), then
+    :func:`project`, not in every program (SmolLM2 at 16 rows: 442 KiB of partials each)."""
     x = settle(x, pending)
     return x, project(rms(x, g, eps), ws, **tiles)
 
@@ -466,14 +458,12 @@ def silu_project(
 
 
 # The attention splits a combine_project merges, where the attention tile leaves the split length
-# open (rope_attention_splits' min_split and max_splits): splits of at least 128 slots, at most
-# 33 of them. Its programs fold the splits with their loads unrolled, all in flight at once. On
-# one H100 (results/attention_split.json, SmolLM2 shape, batch 1) splits of 128 made the step
-# 0.632 ms at 1K (9 splits; plan's 5 of 256: 0.653) and 0.687 at 4K (33; 9 of 512: 0.720),
-# the fold 72 and 104 us a step. The fold it replaced ran the splits one after another: 68-73 us
-# up to 9 splits, 296 at 33 on the H200, which is why the bound was 9 (4K: 0.720-0.731 against
-# 0.764-0.769 for 17 of 256). The bound keeps the unrolled fold's code small at long context
-# (16K: 33 splits of 512). At batch 128 (2 splits) it changes nothing.
+# open (rope_attention_splits' min_split and max_splits): at least 128 slots, at most 33 splits,
+# folded with their loads unrolled. On one H100 (results/attention_split.json, SmolLM2, batch 1)
+# splits of 128 made the step 0.632 ms at 1K (9 splits; 5 of 256: 0.653) and 0.687 at 4K (33; 9
+# of 512: 0.720). The fold it replaced ran the splits in turn (296 us a step at 33 on the H200,
+# so the bound was 9). The bound keeps the unrolled fold small at 16K; batch 128 (2 splits):
+# no change.
 COMBINE_MIN_SPLIT = 128
 COMBINE_SPLITS = 33
 COMBINE_BOUNDS = {"min_split": COMBINE_MIN_SPLIT, "max_splits": COMBINE_SPLITS}

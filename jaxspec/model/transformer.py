@@ -98,20 +98,13 @@ class DecoderLayer(nnx.Module):
         wq, wk, wv, wo, wg, wu, wd = self.weights()
         bn, bk, warps = kernels.linear_tile
         tiles = dict(interpret=mode == "interpret", bn=bn, bk=bk, num_warps=warps)
-        # one row: the norms and the attention's merge inside the projection kernels (five
-        # kernels a layer); more (a verify block): each once, in XLA, beside the projections
-        # (eight), since every program of a kernel would redo them for all the rows
+        # one row: the norms and the attention's merge in the projection kernels; more (a
+        # verify): once each in XLA, not in every program (fused_linear.norm_then_project)
         one_row = x.shape[0] == 1
-        fl = functools.partial(
-            fused_linear.norm_project if one_row else fused_linear.norm_then_project, **tiles
-        )
-        x, qkv = fl(
-            x,
-            pending,
-            self.input_layernorm.weight[...],
-            (wq, wk, wv),
-            eps=self.input_layernorm.eps,
-        )
+        fl = fused_linear.norm_project if one_row else fused_linear.norm_then_project
+        fl = functools.partial(fl, **tiles)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, qkv = fl(x, pending, ln1.weight[...], (wq, wk, wv), eps=ln1.eps)
         qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
         out, k_cache, v_cache = attn.attend(
             qkv, cos, sin, k_cache, v_cache, length, block, kernels, splits=one_row
@@ -120,13 +113,7 @@ class DecoderLayer(nnx.Module):
             o = fused_linear.combine_project(*out, wo, t=t, **tiles)
         else:
             o = fused_linear.project(out.reshape(b * t, -1), (wo,), **tiles)
-        x, gate_up = fl(
-            x,
-            o,
-            self.post_attention_layernorm.weight[...],
-            (wg, wu),
-            eps=self.post_attention_layernorm.eps,
-        )
+        x, gate_up = fl(x, o, ln2.weight[...], (wg, wu), eps=ln2.eps)
         down = fused_linear.silu_project(gate_up, wd, **tiles)
         return x, down, k_cache, v_cache
 
