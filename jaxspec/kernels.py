@@ -81,19 +81,17 @@ DEFAULTS = {
         # 121 of its 491 kernels gone (benchmarks/results/small_step_probe.json)
         fused_attention="pallas",
         # split-K projection kernels, BN 64 x BK 128 x 4 warps: SmolLM2-shape step, B=1, 1K,
-        # 0.858 -> 0.663 ms and 341 -> 161 kernels (probe_small, 2026-12-01); 128 x 128 took
-        # 0.731, 64 x 64 1.007. Layers of 1B and up keep the plain path (fused_linear.layer_problem)
+        # 0.858 -> 0.663 ms, 341 -> 161 kernels (probe_small; 128 x 128: 0.731, 64 x 64: 1.007).
+        # Layers of 1B and up keep the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
         linear_tile=(64, 128, 4),
-        # ...for one-row steps only: with 5 rows (a gamma-4 chain verify) the kernels' tensor-core
-        # path made the verify 1.65 ms against a 0.60 ms decode step (verify.json, 2026-12-02),
-        # where the plain path verifies 9 rows in 0.85 ms (small_model_trees_s9)
+        # ...for one-row steps only: a 5- / 16-token verify through them 0.978 / 0.978 ms, through
+        # XLA's GEMMs 0.803 / 0.871 (one H100, verify_probe.json)
         linear_rows=1,
-        # one kernel for a tree verify's K/V moves in every cache: SmolLM2 tree verify + commit
-        # 2.117 -> 2.080 ms (benchmarks/results/verify.json, its commit_off row)
-        fused_commit="pallas",
+        fused_commit="pallas",  # one kernel moves a verify's K/V: 2.117 -> 2.080 ms (verify.json)
         # 8 GEMM rows for steps of fewer: Llama-3-8B-shape decode 5.81 -> 4.89 ms, 1B 1.64 ->
-        # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged
+        # 1.20, SmolLM2 1.40 -> 1.10 (gpu_decode.json); results per row unchanged. 9-15 rows
+        # pad to 16 (layers.stream_rows): a 9-token verify 0.89 -> 0.865 ms (verify_probe.json)
         gemm_rows=8,
         # the padding on the residual stream, not around each GEMM: 0.941 -> 0.827 ms with the
         # fused attention kernel (benchmarks/results/small_step_probe.json)
@@ -157,7 +155,8 @@ class KernelConfig:
                      always take "xla".
     quant_tile:      (BN, BK, K splits, warps, stages) of the Triton kernel (None entries: its own
                      defaults; splits None: enough programs to fill the GPU).
-    gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never).
+    gemm_rows:       steps of fewer rows are padded to this many for the GEMMs (0: never); with
+                     row_padding "stream", steps of fewer than twice as many to twice it.
     row_padding:     where: "stream" (the residual stream, once) or "gemm" (around each GEMM).
     prefill_chunk:   prompt tokens a row per prefill step (a multiple of 16); None: by batch.
     loop_chunk:      decode-loop iterations per check of the stop condition; None: by engine.

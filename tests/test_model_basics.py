@@ -82,7 +82,8 @@ def test_min_gemm_rows_padding_keeps_results(where):
     kernels = KernelConfig(gemm_rows=8, row_padding=where)
     resolved = kernels.resolve(m.config)
     assert stream_rows(1, resolved) == (8 if where == "stream" else None)
-    assert stream_rows(9, resolved) is None
+    assert stream_rows(9, resolved) == (16 if where == "stream" else None)
+    assert [stream_rows(n, resolved) for n in (8, 16, 17)] == [None] * 3
     # the defaults (named, whatever backend runs the test): the CPU's pads nothing, the GPU's
     # pads a one-row stream to 8
     assert stream_rows(1, KernelConfig().resolve(m.config, backend="cpu")) is None
