@@ -100,10 +100,10 @@ DEFAULTS = {
         loop_chunk=None,  # by engine: loop_steps()
         # quantized projections of steps of at most 16 rows dequantize in the kernel, never
         # materialising a float copy of the weight: Hopper's WGMMA kernel for weights laid out
-        # K-major (pallas_kernels/quant_wgmma.py; Llama-3-8B-shape step int8 3.52 / int4 3.20 ms
-        # against 4.74 bf16 on one H200, benchmarks/results/quantized.json, scales then on the
-        # weights, before e69f501; on an H100 4.17 / 3.32 against 6.17, and 5.47 / 4.63 through
-        # the Triton kernel), the Triton kernel (quant_linear.py) for the rest
+        # K-major (pallas_kernels/quant_wgmma.py; Llama-3-8B-shape step int8 4.14 / int4 3.30 ms
+        # against 6.10 bf16 on one H100, benchmarks/results/quantized.json; 5.47 / 4.63 through
+        # the Triton kernel; H200, in git: 3.52 / 3.20 against 4.74), Triton (quant_linear.py)
+        # for the rest
         quant_matmul="pallas",
         quant_tile=None,
         # GSPMD over two H200s: Llama-3-8B-shape step 6.0 ms against 4.75 on one GPU

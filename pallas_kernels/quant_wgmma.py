@@ -69,8 +69,8 @@ TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): K splits are 
 # 5.3 (64 channels, 4 stages 18.9 / 16.8 / 5.9). A program of one warpgroup issuing its own TMA
 # loads beat one or two compute warpgroups fed by a loading one (emit_pipeline_warp_specialized:
 # int8 26.4 / 25.2, int4 22.4-26.5 / 20.6-24.1), which is gone. All with the scales on the
-# weights (before e69f501): `bench_quantized.py --sections sweep` re-times these tiles and its
-# WGMMA_TILES with the scales on the accumulator; not yet run on a GPU.
+# weights (before e69f501). With the scales on the accumulator (H100, 34ec2b7, the loop sweep of
+# bench_quantized.py, notes/quantized.md) these tiles stay best or within one run's noise.
 BK = {8: 256, 4: 128}
 STAGES = {8: 2, 4: 3}
 TM = {8: 64, 4: 128}
