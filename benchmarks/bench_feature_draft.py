@@ -30,6 +30,7 @@ after every prompt, and ``--budget-s`` stops in time (every row then has the sam
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -158,7 +159,7 @@ def run_set(target, drafts, name, args, deadline, write) -> dict:
             runs[c].append(run_of(i, p, r, wall, ref))
         part["results"] = [row_of(c, runs[c]) for c in names]
         part.update(summary(part["results"]))
-        write()
+        write(part)  # a call cut short keeps the prompts done
         line = "  ".join(
             f"{r['name']} {r['tokens_per_s']:.1f}/s acc {r['acceptance_length_pooled']:.2f}"
             for r in part["results"]
@@ -257,7 +258,9 @@ def main(argv=None) -> int:
     }
     section.setdefault("sets", {})
 
-    def write():
+    def write(name=None, part=None):
+        if name is not None:
+            section["sets"][name] = part
         base[tag] = section
         base.update({k: section[k] for k in ("date", "device", "jax", "commit", "command")})
         base["what"] = (
@@ -270,7 +273,8 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(base, indent=2) + "\n")
 
     for name in args.sets.split(","):
-        section["sets"][name] = run_set(target, drafts, name, args, deadline, write)
+        part_done = functools.partial(write, name)
+        section["sets"][name] = run_set(target, drafts, name, args, deadline, part_done)
     section["wall_s"] = round(time.perf_counter() - t0, 1)
     write()
     print(f"wrote {args.out} [{tag}]")

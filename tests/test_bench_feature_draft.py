@@ -30,6 +30,30 @@ def test_pooled_acceptance_weights_each_prompt_by_its_verifications():
 ARGS = "autoregressive,feature"
 
 
+def test_a_run_cut_short_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
+    """A GPU call's time limit kills the script mid-set: the prompts done are in the file."""
+    calls = []
+
+    def timed_call(target, p, draft, method, opts, new):
+        calls.append(p)
+        if len(calls) == 2:  # the second prompt: the call's limit
+            raise KeyboardInterrupt
+        return type("R", (), {"tokens": [[1, 2]]})(), 1.0
+
+    run = {"acceptance_length": 1.0, "target_steps": 2, "new_tokens": 2, "wall_s": 1.0,
+           "same_as_autoregressive": True}  # fmt: skip
+    monkeypatch.setattr(B, "default_target", lambda model: tiny.model(0))
+    monkeypatch.setattr(B, "prompt_set", lambda target, name, n: ([[5], [6], [7]], "three"))
+    monkeypatch.setattr(B, "timed_call", timed_call)
+    monkeypatch.setattr(B, "run_of", lambda *a: dict(run))
+    out = tmp_path / "fd.json"
+    argv = ["--configs", "autoregressive", "--device-tag", "t", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        B.main(argv + ["--merge-from", str(out)])
+    part = json.loads(out.read_text())["t"]["sets"]["humaneval"]
+    assert not part["complete"] and part["results"][0]["prompts"] == 1
+
+
 def test_a_missing_feature_draft_says_how_to_train_one(tmp_path):
     with pytest.raises(SystemExit, match="jaxspec distill --kind feature"):
         B.load_drafts(None, B.parse(["--feature", str(tmp_path / "no"), "--configs", ARGS]))
