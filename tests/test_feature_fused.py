@@ -80,6 +80,10 @@ def test_a_distill_widens_an_eagle1_head_stores_its_reads_and_drafts_losslessly(
     assert run.history[0]["kl"] == pytest.approx(same.history[0]["kl"], rel=1e-5)
     meta = json.loads(run.path.joinpath("draft.json").read_text())
     assert (meta["variant"], meta["reads"]) == ("eagle-3-fused", [1, -1])
+    # the head it grew from keeps its record, nested (and that one has none: random weights)
+    first_meta = json.loads(first.path.joinpath("draft.json").read_text())
+    assert meta["training"]["init_from_training"] == first_meta["training"]
+    assert "init_from_training" not in first_meta["training"]
     head = load_draft(run.path, target, vocab=None)
     assert head.reads == LAST and "fuse" in own_of(head)
     assert not np.array_equal(  # training moved the fuse off the final state alone

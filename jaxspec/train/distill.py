@@ -88,7 +88,7 @@ from jaxspec.train.data import (
     generate_data,
 )
 from jaxspec.train.feature import feature_step, head_shapes, init_head, reads_of
-from jaxspec.train.init_from import weights_from
+from jaxspec.train.init_from import training_of, weights_from
 from jaxspec.train.recipe import (
     DATA_FIELDS,
     RECIPE_FIELDS,
@@ -241,9 +241,17 @@ def distill(
             "total_steps": st.total, "tokens_seen": st.step * recipe.batch * recipe.seq_len,
             "stopped": stopped, "last_steps": _summary(history[-20:]),
             "held_out": dict(HOLDOUT), "command": command,
+            **_earlier_stages(out),
         },
     )  # fmt: skip
     return DistillResult(path, st.step, st.total, history, meta, stopped)
+
+
+def _earlier_stages(out: pathlib.Path) -> dict:
+    """``init_from_training``: the training record of the draft the run started from, as
+    ``run.json`` took it when the run began (nothing for a run from random weights)."""
+    run = _read_json(out / "run.json", "run description")
+    return {"init_from_training": run["init_from_training"]} if "init_from_training" in run else {}
 
 
 def _check_call(target, options, budget_s, until_step, save_every) -> None:
@@ -301,6 +309,8 @@ def _run_description(target, out, resume, options, command):
         out.mkdir(parents=True, exist_ok=True)
         run = {"recipe": dataclasses.asdict(recipe), "data": _spec_json(spec), "target": fp,
                "command": command}  # fmt: skip
+        if recipe.init_from is not None:
+            run["init_from_training"] = training_of(recipe.init_from)
         _write_atomic(run_file, json.dumps(run, indent=2))
         return recipe, spec, fp
     if not run_file.is_file():
