@@ -33,8 +33,6 @@ import statistics
 import sys
 import time
 
-import jax
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
@@ -43,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     add_vocab_args,
     default_target,
+    device_tag,
     fixed_call,
     humaneval_prompts,
     metadata,
@@ -95,14 +94,6 @@ def _shown(path: str) -> str:
     """A path relative to the repository when it is inside it."""
     p = pathlib.Path(path).absolute()
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
-
-
-def device_tag() -> str:
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return "cpu"
-    kind = dev.device_kind.lower()
-    return "h200" if "h200" in kind else kind.replace(" ", "-")
 
 
 def parse(argv=None):

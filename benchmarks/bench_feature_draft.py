@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, default_target, metadata  # noqa: E402
+from benchmarks.common import RESULTS, default_target, device_tag, metadata  # noqa: E402
 from jaxspec.api import generate  # noqa: E402
 from jaxspec.io import datasets  # noqa: E402
 from jaxspec.io.draft_checkpoint import SHIPPED, load_draft  # noqa: E402
@@ -205,14 +205,6 @@ def draft_info(path) -> dict:
         "tokens_seen": training.get("tokens_seen"),
         "trained_on": training.get("device"),
     }
-
-
-def device_tag() -> str:
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return "cpu"
-    kind = dev.device_kind.lower()
-    return "h200" if "h200" in kind else kind.replace(" ", "-")
 
 
 def parse(argv):

@@ -26,6 +26,19 @@ def metadata() -> dict:
     return run_metadata()
 
 
+def device_tag() -> str:
+    """A results file's section name for this machine: "cpu", "h100", "h200", else the device
+    kind (lower case, dashes)."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "cpu"
+    kind = dev.device_kind.lower()
+    for gpu in ("h200", "h100"):
+        if gpu in kind:
+            return gpu
+    return kind.replace(" ", "-")
+
+
 def write(name: str, payload: dict, out: str | None = None) -> pathlib.Path:
     path = pathlib.Path(out) if out else RESULTS / name
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -94,3 +94,19 @@ def test_bench_distill_feature_rows_run_the_engines_losslessly():
     for _, method, _, opts in rows[-2:]:
         got, stats = bench_distill.run_one(target, method, head, ids, 64, 12, opts)
         assert got == want and stats["acceptance_length"] >= 1.0
+
+
+def test_a_results_section_is_named_for_the_gpu(monkeypatch):
+    """bench_distill and bench_feature_draft name their section by the device (an H100's rows
+    once went into the "h200" section a runner named)."""
+    from benchmarks import common
+
+    class Dev:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(common.jax, "devices", lambda: [Dev()])
+    assert common.device_tag() == "h100"
+    Dev.device_kind = "NVIDIA H200"
+    assert common.device_tag() == "h200"
+    Dev.device_kind, Dev.platform = "cpu", "cpu"
+    assert common.device_tag() == "cpu"

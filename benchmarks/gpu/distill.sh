@@ -3,7 +3,7 @@
 # measurement (bench_distill.py: chains with it, prompt lookup and self-streaming on the 20
 # held-out HumanEval prompts). Needs the GGUF and the gguf wheel (README.md). Two calls:
 #   bash benchmarks/gpu/distill.sh         # ~8 min: $OUT/smollm2-135m-instruct-draft.tar
-#   bash benchmarks/gpu/distill.sh bench   # ~3 min: $OUT/distill.json; its "h200" section is
+#   bash benchmarks/gpu/distill.sh bench   # ~3 min: $OUT/distill.json; its "h200" (or "h100") section is
 #                                          # results/distill.json's (DRAFT_DIR: another draft)
 # The defaults are the shipped draft's run (checkpoints/README.md). DATA_FROM=RUN/data reuses
 # an earlier run's data (runs compared on the same text; the data options must match), NAME
@@ -19,7 +19,7 @@ GEN_BUDGET=${GEN_BUDGET:-120}
 ARGS=${DISTILL_ARGS:---data humaneval,stdlib,chat,humaneval@chat --samples 3 --temperature 0.7
   --max-new-tokens 256 --gen-batch 256 --seq-len 512 --batch 32 --steps 6000 --warmup 40
   --lr 1e-3 --layers 2 --intermediate 512 --save-every 200}
-BENCH_ARGS=(--device-tag h200 --budget-s 270)
+BENCH_ARGS=(--budget-s 270)  # the section: h100 or h200 (common.device_tag)
 if [ "${QUICK:-0}" = 1 ]; then  # tiny settings, the default model found where it is installed
   ARGS="--samples 0 --max-new-tokens 8 --max-prompt-tokens 32 --gen-batch 8 --seq-len 32
     --batch 2 --steps 3 --warmup 2"

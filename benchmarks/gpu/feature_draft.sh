@@ -14,4 +14,4 @@ bench feature_draft 300 $PY benchmarks/bench_feature_draft.py \
   --feature "${FEATURE_DIR:-checkpoints/drafts/smollm2-135m-instruct-feature}" \
   --sets "${1:-humaneval}" \
   --configs "${2:-autoregressive,distilled,feature,feature-tree,feature-chain6,feature-tree4}" \
-  --device-tag h200 --budget-s 260 --out "$OUT/feature_draft.json"
+  --budget-s 260 --out "$OUT/feature_draft.json"
