@@ -316,8 +316,8 @@ DISTILL_OPTIONS = (
         "--kind",
         "kind",
         str,
-        "model (a small decoder) or feature (an EAGLE-1 head over the "
-        "target's hidden states; layers default 1, init random)",
+        "model (a small decoder) or feature (an EAGLE head over the "
+        "target's hidden states, --reads; layers default 1, init random)",
     ),
     ("--layers", "layers", int, "decoder layers of the draft"),
     ("--intermediate", "intermediate", int, "MLP width of the draft"),
@@ -376,9 +376,10 @@ def _distill(sub) -> None:
         "embedding and LM head shared) from the target's own greedy and sampled continuations "
         "of real prompts (the first 20 HumanEval prompts are held out): KL(target || draft) "
         "over the full vocabulary plus CE on the target's greedy token, AdamW with warmup and "
-        "cosine decay, Orbax checkpoints (--resume). --kind feature trains an EAGLE-1 head "
-        "instead (one decoder layer over the target's final hidden state and the next token; "
-        "loss: state regression + token KL). The draft lands in OUT/draft; use it with "
+        "cosine decay, Orbax checkpoints (--resume). --kind feature trains an EAGLE head "
+        "instead (one decoder layer over the target's final hidden state, or with --reads its "
+        "fused layers, and the next token; loss: state regression + token KL, --ttt-steps "
+        "EAGLE-3's training-time test). The draft lands in OUT/draft; use it with "
         "--draft OUT in generate, bench and profile.",
     )
     _add_model_args(d, flag="--target")

@@ -6,8 +6,8 @@ each token occurs in the text the draft was distilled on, from which ``load_draf
 draft's LM head to the most frequent tokens (``model.vocab_head``). The target's embedding (and
 LM head) are filled in at load time; a draft loaded with another target is a ``DraftError``.
 Written by ``jaxspec.train.distill``. Kinds: "model" (a small decoder, loaded as a ``Model``;
-folders without a kind are of it) and "feature" (an EAGLE-1 head over the target's states,
-loaded as a ``FeatureModel``).
+folders without a kind are of it) and "feature" (an EAGLE head over the target's states:
+EAGLE-1's final state or EAGLE-3's fused layers, loaded as a ``FeatureModel``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from jaxspec.provenance import metadata
 FORMAT = "jaxspec-draft/1"
 SHARED = ("embed_tokens", "lm_head")  # filled from the target, not stored, not trained
 SHIPPED = places.shipped_drafts() / "smollm2-135m-instruct-draft"
-SHIPPED_FEATURE = places.shipped_drafts() / "smollm2-135m-instruct-feature"  # EAGLE-1 head
+SHIPPED_FEATURE = places.shipped_drafts() / "smollm2-135m-instruct-feature"  # fused reads
 TOKEN_COUNTS = "token_counts.npy"  # int32 [V]: each token's count in the distill data
 PathLike = str | os.PathLike
 
@@ -314,7 +314,7 @@ def write_token_counts(path: PathLike, stream: np.ndarray, source: str) -> np.nd
 def shipped_draft(
     target: Model, *, kind: str = "model", vocab: int | str | None = "default"
 ) -> Network | None:
-    """The draft of ``kind`` ("model": the small draft; "feature": the EAGLE-1 head) shipped in
+    """The draft of ``kind`` ("model": the small draft; "feature": the EAGLE head) shipped in
     ``checkpoints/drafts/`` (``jaxspec/shipped/`` in a wheel) for ``target``
     (SmolLM2-135M-Instruct), or None when it is absent or belongs to another target; ``vocab``
     as ``load_draft``'s."""

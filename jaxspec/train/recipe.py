@@ -38,7 +38,7 @@ class Recipe:
     clip: float = 1.0
     ce_weight: float = 0.25
     seed: int = 0
-    kind: str = "model"  # "model": a small decoder; "feature": an EAGLE-1 head (train.feature)
+    kind: str = "model"  # "model": a small decoder; "feature": an EAGLE head (train.feature)
     feature_weight: float = 1.0  # feature kind: the state regression's weight (EAGLE-1's)
     token_weight: float = 0.1  # feature kind: the token loss's weight (EAGLE-1's)
     noise: float = 0.2  # feature kind: width of the uniform noise on the input states
