@@ -1,6 +1,7 @@
 """Small-model latency: the real SmolLM2-135M-Instruct at batch 1, as a user calls ``generate``.
 
-    python benchmarks/bench_small_model.py [--draft DIR] [--new 128] [--contexts 1024,4096]
+    python benchmarks/bench_small_model.py [--draft DIR] [--feature DIR] [--new 128]
+        [--contexts 1024,4096]
         [--peer PATH/torch_cudagraph.py] [--out small_model.json]
 
 Per context (a prompt of real text: HumanEval prompts (OpenAI, MIT licence) concatenated, cut so
@@ -10,6 +11,10 @@ after a warm-up call (the compile), and two rates are kept, medians over the cal
 - ``*_wall_tok_per_s``: new tokens over the wall clock of the whole ``generate()`` call, timed
   around it as a user would (prefill, host work and the final copy included);
 - ``*_engine_tok_per_s``: new tokens over the engine's own ``stats.wall_s`` (dispatch to result).
+
+Drafts: prompt lookup (``ngram``), ``--draft`` (the distilled small model: rows ``*_draft``) and
+``--feature`` (a feature head: ``chain_feature``, ``tree_feature``, and
+``tree_over_chain_feature``).
 
 Top-level keys (1K context, B=1, ``--new`` tokens): ``ar_wall_tok_per_s_b1``,
 ``best_spec_wall_tok_per_s_b1`` (the best speculative method and draft), ``peer_tok_per_s_b1`` (the
@@ -151,6 +156,10 @@ RUNS = (  # (name, method, draft key, options)
     ("chain_draft", "chain", "draft", {"gamma": 4}),
     ("tree_draft", "tree", "draft", {}),
     ("tree_ngram", "tree", "ngram", {"depth": 8, "width": 1, "branch": 1}),
+    # --feature: the feature head's chain and its fastest tree in feature_draft.json's h100
+    # section (depth 4, bs 8: 1.93x autoregressive against 1.74x for its default depth 6, bs 16)
+    ("chain_feature", "chain", "feature", {"gamma": 4}),
+    ("tree_feature", "tree", "feature", {"depth": 4, "bs": 8}),
 )
 
 
@@ -166,8 +175,17 @@ def tree_runs(spec: str) -> tuple:
 
 
 def vocab_of(key: str, args):
-    """The ``vocab`` a ``drafts`` key was loaded with."""
-    return args.draft_vocab if key == "draft" else args.compare_vocab
+    """The ``vocab`` a ``drafts`` key was loaded with: ``--compare-vocab``'s for the ``@`` rows."""
+    return args.compare_vocab if "@" in key else args.draft_vocab
+
+
+def f32_drafts(drafts, args) -> dict:
+    """The float32 check's drafts: each ``drafts`` key as (folder, vocab), ``"ngram"`` as is."""
+    folders = {"draft": args.draft, "feature": args.feature}
+    return {
+        k: "ngram" if k == "ngram" else (folders[k.split("@")[0]], vocab_of(k, args))
+        for k in drafts
+    }
 
 
 def vocab_runs(drafts) -> tuple:
@@ -270,6 +288,10 @@ def summarise(payload: dict, ctx: int) -> None:
     spec = {k: v["wall_tok_per_s"] for k, v in first.items() if k != "autoregressive"}
     payload["best_spec"] = max(spec, key=spec.get)
     payload["best_spec_wall_tok_per_s_b1"] = spec[payload["best_spec"]]
+    if "tree_feature" in first and "chain_feature" in first:
+        payload["tree_over_chain_feature"] = round(
+            first["tree_feature"]["wall_tok_per_s"] / first["chain_feature"]["wall_tok_per_s"], 3
+        )
     if "tree_draft" in first and "chain_draft" in first:
         chain = first["chain_draft"]["wall_tok_per_s"]
         payload["tree_over_chain_same_draft"] = round(
@@ -304,6 +326,9 @@ def merged(first: str, more: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default=None, help="a distilled draft folder (jaxspec distill)")
+    ap.add_argument(
+        "--feature", default=None, help="a feature draft folder: rows chain_feature, tree_feature"
+    )
     add_vocab_args(ap, "the draft's chain and tree (rows chain_draft@N, tree_draft@N)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -353,12 +378,14 @@ def main():
         if args.compare_vocab != args.draft_vocab:  # the same draft with the other head
             other = "full" if args.compare_vocab is None else args.compare_vocab
             drafts[f"draft@{other}"] = load_draft(args.draft, model, vocab=args.compare_vocab)
+    if args.feature:
+        drafts["feature"] = load_draft(args.feature, model, vocab=args.draft_vocab)
     payload = {
         **metadata(),
         "model": f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to {model.dtype})",
         "new_tokens": args.new,
         "kernels": model.net().kernels.describe(),
-        "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS},
+        "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS if k in drafts},
         **({"draft_vocab": vocab_size_of(drafts["draft"]) or "full"} if args.draft else {}),
     }
     contexts = [int(c) for c in args.contexts.split(",") if c]
@@ -385,8 +412,7 @@ def main():
         payload["streaming"] = streaming(model, ids, args)
         write("small_model.json", payload, args.out)
     if not args.no_f32:
-        f32 = {k: "ngram" if k == "ngram" else (args.draft, vocab_of(k, args)) for k in drafts}
-        payload["float32_check"] = float32_check(ids_first, args.new, f32)
+        payload["float32_check"] = float32_check(ids_first, args.new, f32_drafts(drafts, args))
     for ctx in contexts[1:]:
         write("small_model.json", payload, args.out)
         got = run_context(model, drafts, ctx, args)

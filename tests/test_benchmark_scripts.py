@@ -116,6 +116,32 @@ def test_merging_two_small_model_calls_keeps_each_runs_figures(tmp_path):
     assert bsm.merged(*map(str, paths))["float32_check"] == {"tree": False}
 
 
+def test_the_small_model_benchmark_counts_the_feature_head_among_its_drafts():
+    """``--feature``: its rows enter the best speculative method, the tree-over-chain ratio of
+    the same head is kept, and the float32 check loads each draft from its own folder."""
+    import argparse
+
+    from benchmarks import bench_small_model as bsm
+
+    rate = {"autoregressive": 1000, "chain_ngram": 2000, "chain_draft": 1500, "tree_draft": 1400}
+    rate |= {"chain_feature": 2600, "tree_feature": 2800}
+    payload = {"ctx1024": {"rows": {k: {"wall_tok_per_s": v} for k, v in rate.items()}}}
+    bsm.summarise(payload, 1024)
+    assert payload["best_spec"] == "tree_feature"
+    assert payload["best_spec_wall_tok_per_s_b1"] == 2800
+    assert payload["tree_over_chain_feature"] == round(2800 / 2600, 3)
+    assert payload["tree_over_chain_same_draft"] == round(1400 / 1500, 3)
+    args = argparse.Namespace(draft="d", feature="f", draft_vocab=16384, compare_vocab=None)
+    drafts = {"ngram": 0, "draft": 0, "draft@full": 0, "feature": 0}
+    assert bsm.f32_drafts(drafts, args) == {
+        "ngram": "ngram",
+        "draft": ("d", 16384),
+        "draft@full": ("d", None),
+        "feature": ("f", 16384),
+    }
+    assert {r[0] for r in bsm.RUNS if r[2] == "feature"} == {"chain_feature", "tree_feature"}
+
+
 def test_the_round_probe_finds_each_kernels_source_line():
     """``probe_rounds.hlo_sources`` reads the stack tables of an optimized HLO text: each op of a
     compiled ``jaxspec`` function maps to the line that traced it."""

@@ -1,6 +1,7 @@
 # Helpers of the runners (sourced after env.sh). `bash benchmarks/gpu/lib.sh stash` runs one.
 GGUF="$HOME/smol.gguf"  # SmolLM2-135M-Instruct, joined from the two halves the calls carry
 DRAFT=checkpoints/drafts/smollm2-135m-instruct-draft  # the shipped distilled draft
+FEATURE=checkpoints/drafts/smollm2-135m-instruct-feature  # the shipped feature head
 
 quiet() { grep -v "^W0000\|^I0000\|^E0000\|^\s*$"; }  # drop XLA's log lines and blank lines
 
