@@ -3,8 +3,9 @@
 # measurement (bench_distill.py: chains with it, prompt lookup and self-streaming on the 20
 # held-out HumanEval prompts). Needs the GGUF and the gguf wheel (README.md). Two calls:
 #   bash benchmarks/gpu/distill.sh         # ~8 min: $OUT/smollm2-135m-instruct-draft.tar
-#   bash benchmarks/gpu/distill.sh bench   # ~3 min: $OUT/distill.json; its "h200" (or "h100") section is
-#                                          # results/distill.json's (DRAFT_DIR: another draft)
+#   bash benchmarks/gpu/distill.sh bench   # ~3 min: $OUT/distill.json; its "h200" (or "h100")
+#                                          # section is results/distill.json's (DRAFT_DIR:
+#                                          # another draft)
 # The defaults are the shipped draft's run (checkpoints/README.md). DATA_FROM=RUN/data reuses
 # an earlier run's data (runs compared on the same text; the data options must match), NAME
 # names the tar. A smoke test on a CPU:
