@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The feature draft (an EAGLE-1 head) through the public generate(): bench_feature_draft.py, one
-# prompt set a call (the budget keeps it inside the call). Needs the GGUF (README.md: two calls).
+# prompt set a call (the budget keeps it inside the call). Needs the GGUF (README.md: its parts over three calls).
 #   bash benchmarks/gpu/feature_draft.sh [SET] [CONFIGS]     # SET: humaneval (default) or chat
 # FEATURE_DIR: another feature draft (default: the shipped one). The results file's sections
 # per set come from separate calls; join them into results/feature_draft.json.

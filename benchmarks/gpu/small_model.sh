@@ -3,7 +3,7 @@
 # 1, generate() timed as a user calls it, at 1K and 4K tokens of context: autoregressive, chains
 # and trees with the shipped draft, the shipped feature head and prompt lookup, the first token
 # after the 4K prompt, the PyTorch CUDA-graph peer on the same weights and prompt in the same
-# call (its script carried beside the GGUF half: lib.sh's stash keeps it in ~/peer), the
+# call (its script carried beside the first GGUF part: lib.sh's stash keeps it in ~/peer), the
 # float32 exactness check. Needs
 # the GGUF (README.md). About 7 minutes on an H200; on an H100 (258c7dd, 7deed54) it ran past its
 # 570 s limit in the peer's section (since stopped once its rows are in: PEER_ROWS), so there run
