@@ -131,3 +131,17 @@ def test_a_draft_json_with_damaged_reads_is_a_checkpoint_error(target, tmp_path)
         path.write_text(json.dumps({**meta, "reads": bad}))
         with pytest.raises(CheckpointError, match="names reads"):
             load_draft(run.path, target, vocab=None)
+
+
+def test_a_start_draft_with_a_damaged_record_is_a_checkpoint_error(tmp_path):
+    """``init_from``'s training record is read when the run begins: a draft.json that is not
+    JSON, or no draft at all, is a CheckpointError that says what to do, not a traceback."""
+    from jaxspec.train.init_from import training_of
+
+    (tmp_path / "draft.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="distil it again"):
+        training_of(str(tmp_path))
+    with pytest.raises(CheckpointError, match="no distilled draft"):
+        training_of(str(tmp_path / "absent"))
+    (tmp_path / "draft.json").write_text('{"training": {"steps": 3}}')
+    assert training_of(str(tmp_path)) == {"steps": 3}

@@ -5,7 +5,6 @@ finished draft did."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 from collections.abc import Callable
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import OptionError
-from jaxspec.io.draft_checkpoint import _draft_dir, _pure, _trainable, load_draft
+from jaxspec.io.draft_checkpoint import _draft_dir, _pure, _read_json, _trainable, load_draft
 from jaxspec.model.feature_head import EAGLE1_READS, FeatureModel, widened
 from jaxspec.model.transformer import Model
 from jaxspec.train.feature import reads_of
@@ -58,8 +57,8 @@ def training_of(path: str) -> dict | None:
     """The training record of the finished draft at ``path`` (``draft.json``'s ``training``,
     its own earlier stages nested under ``init_from_training``): read when a run starts from
     it, so the run's draft keeps its whole history even if the folder is replaced later."""
-    meta = json.loads((_draft_dir(pathlib.Path(path).expanduser()) / "draft.json").read_text())
-    return meta.get("training")
+    folder = _draft_dir(pathlib.Path(path).expanduser())
+    return _read_json(folder / "draft.json", "draft description").get("training")
 
 
 def grown(own: dict, fresh: dict) -> dict:
