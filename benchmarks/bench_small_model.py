@@ -21,13 +21,14 @@ Top-level keys (1K context, B=1, ``--new`` tokens): ``ar_wall_tok_per_s_b1``,
 PyTorch CUDA-graph peer on the same weights and prompt, run in the same process's machine by
 ``--peer``: its whole-call tokens/s), ``tree_over_chain_same_draft`` (tree over chain wall tokens/s
 with the shipped draft; ``--trees`` adds other shapes' rows and
-``tree_shapes_over_chain_same_draft``), ``first_token_ms_ctx4096`` (the wall of a one-token call
-after the 4K prompt). Exactness: ``partings`` compares every run's tokens with autoregressive
-decoding (bf16: a parting must be a near-tie, its top-2 logit gap reported) and ``float32_check``
-runs the model in float32 with IEEE dots, where every method must give exactly the autoregressive
-tokens. ``streaming`` (unless ``--no-stream``): the same 1K calls through ``jaxspec.stream``, every
-piece consumed, against ``generate``: ``overhead`` is generate's tokens/s over stream's, less one,
-and ``first_piece_ms`` the wait for the first piece. ``--random-weights`` measures only that
+``tree_shapes_over_chain_same_draft``, or ``..._same_feature`` for the feature head's),
+``first_token_ms_ctx4096`` (the wall of a one-token call after the 4K prompt). Exactness:
+``partings`` compares every run's tokens with autoregressive decoding (bf16: a parting must be a
+near-tie, its top-2 logit gap reported) and ``float32_check`` runs the model in float32 with IEEE
+dots, where every method must give exactly the autoregressive tokens. ``streaming`` (unless
+``--no-stream``): the same 1K calls through ``jaxspec.stream``, every piece consumed, against
+``generate``: ``overhead`` is generate's tokens/s over stream's, less one, and ``first_piece_ms``
+the wait for the first piece. ``--random-weights`` measures only that
 section, on random SmolLM2-135M-shape bf16 weights (no GGUF: one GPU call; what a segment boundary
 costs does not depend on the weights), and ``--merge`` puts it into a full run's file with its own
 commit and command (``streaming_run``). ``--draft-vocab`` sets the draft's head (``load_draft``'s
@@ -165,12 +166,17 @@ RUNS = (  # (name, method, draft key, options)
 
 def tree_runs(spec: str) -> tuple:
     """``--trees``' shapes (``DEPTHxWIDTHxBRANCHxBS``, comma-separated) as ``RUNS`` entries with
-    the model draft, named ``tree_draft_<shape>``."""
+    the model draft, named ``tree_draft_<shape>``; ``feature:<shape>`` with the feature head,
+    named ``tree_feature_<shape>``."""
     out = []
-    for shape in (s for s in spec.split(",") if s):
+    for item in (s for s in spec.split(",") if s):
+        key, _, shape = item.rpartition(":")
+        key = key or "draft"
+        if key not in ("draft", "feature"):
+            raise SystemExit(f"--trees: {item!r}: the prefix is feature: or none")
         depth, width, branch, bs = (int(v) for v in shape.split("x"))
         opts = {"depth": depth, "width": width, "branch": branch, "bs": bs}
-        out.append((f"tree_draft_{shape}", "tree", "draft", opts))
+        out.append((f"tree_{key}_{shape}", "tree", key, opts))
     return tuple(out)
 
 
@@ -288,22 +294,19 @@ def summarise(payload: dict, ctx: int) -> None:
     spec = {k: v["wall_tok_per_s"] for k, v in first.items() if k != "autoregressive"}
     payload["best_spec"] = max(spec, key=spec.get)
     payload["best_spec_wall_tok_per_s_b1"] = spec[payload["best_spec"]]
-    if "tree_feature" in first and "chain_feature" in first:
-        payload["tree_over_chain_feature"] = round(
-            first["tree_feature"]["wall_tok_per_s"] / first["chain_feature"]["wall_tok_per_s"], 3
-        )
-    if "tree_draft" in first and "chain_draft" in first:
-        chain = first["chain_draft"]["wall_tok_per_s"]
-        payload["tree_over_chain_same_draft"] = round(
-            first["tree_draft"]["wall_tok_per_s"] / chain, 3
-        )
+    for key, ratio in (("draft", "tree_over_chain_same_draft"),
+                       ("feature", "tree_over_chain_feature")):  # fmt: skip
+        if f"tree_{key}" not in first or f"chain_{key}" not in first:
+            continue
+        chain = first[f"chain_{key}"]["wall_tok_per_s"]
+        payload[ratio] = round(first[f"tree_{key}"]["wall_tok_per_s"] / chain, 3)
         shapes = {
-            k: v["wall_tok_per_s"] / chain for k, v in first.items() if k.startswith("tree_draft_")
+            k: round(v["wall_tok_per_s"] / chain, 3)
+            for k, v in first.items()
+            if k.startswith(f"tree_{key}_")
         }
         if shapes:  # --trees: each shape's tokens/s over the chain's, same draft
-            payload["tree_shapes_over_chain_same_draft"] = {
-                k: round(v, 3) for k, v in shapes.items()
-            }
+            payload[f"tree_shapes_over_chain_same_{key}"] = shapes
 
 
 def merged(first: str, more: str) -> dict:
@@ -341,7 +344,8 @@ def main():
         "--trees",
         default="",
         help="more tree shapes with the draft, DEPTHxWIDTHxBRANCHxBS comma-separated "
-        "(rows tree_draft_<shape>; the default shape is the tree_draft row)",
+        "(rows tree_draft_<shape>; the default shape is the tree_draft row), or with the "
+        "feature head as feature:DEPTHxWIDTHxBRANCHxBS (rows tree_feature_<shape>)",
     )
     ap.add_argument(
         "--random-weights",

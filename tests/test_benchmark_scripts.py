@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(
     p.name
@@ -140,6 +142,19 @@ def test_the_small_model_benchmark_counts_the_feature_head_among_its_drafts():
         "feature": ("f", 16384),
     }
     assert {r[0] for r in bsm.RUNS if r[2] == "feature"} == {"chain_feature", "tree_feature"}
+    # --trees: a feature: prefix gives the head's shapes, rated against its own chain
+    runs = bsm.tree_runs("3x8x4x7,feature:4x8x4x7")
+    assert [(r[0], r[2], r[3]["bs"]) for r in runs] == [
+        ("tree_draft_3x8x4x7", "draft", 7),
+        ("tree_feature_4x8x4x7", "feature", 7),
+    ]
+    payload["ctx1024"]["rows"]["tree_feature_4x8x4x7"] = {"wall_tok_per_s": 3120}
+    bsm.summarise(payload, 1024)
+    assert payload["tree_shapes_over_chain_same_feature"] == {"tree_feature_4x8x4x7": 1.2}
+    assert payload["best_spec"] == "tree_feature_4x8x4x7"
+    assert "tree_shapes_over_chain_same_draft" not in payload
+    with pytest.raises(SystemExit, match="prefix"):
+        bsm.tree_runs("small:4x8x4x7")
 
 
 def test_the_round_probe_finds_each_kernels_source_line():
