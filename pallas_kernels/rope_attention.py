@@ -190,7 +190,8 @@ def _kernel(
 
     # the block part's loads first, so their latency overlaps the prefix loop's: the new keys
     # (rotated here) and values, written into the cache by the last split of the first row
-    # tile (their slots are past the prefix, which is all any program reads from the cache)
+    # tile after its loop (their slots are past the prefix, which is all any program reads
+    # from the cache; stored before the loop they would hold its loads back)
     cols = jnp.arange(n_pad)
     real = cols < n_new
     valid = real & (length + cols < seq_len)
@@ -203,10 +204,6 @@ def _kernel(
     slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
     allowed = (bm_ref[...] != 0) & valid[None, :]
     k1, k2 = rotate(kh1, kh2, c, sn)
-    put = (valid & (slot == length + cols) & (row_tile == 0) & (split == n_splits - 1))[:, None]
-    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
-    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
-    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
 
     start = split * split_len
     end = jnp.minimum(start + split_len, prefix)
@@ -231,6 +228,10 @@ def _kernel(
     last = split == n_splits - 1
     carry = lax.cond(last, lambda c: update(c, k1, k2, vb, allowed), lambda c: c, carry)
     acc, m, ssum = carry
+    put = (valid & (slot == length + cols) & (row_tile == 0) & last)[:, None]
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
+    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
     plgpu.store(o_ref, acc, mask=lanes)
     plgpu.store(m_ref, m, mask=live)
     plgpu.store(ssum_ref, ssum, mask=live)
