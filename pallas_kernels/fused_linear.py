@@ -255,7 +255,6 @@ def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
         return isinstance(cols, tuple) and cols[1] == bk
 
     def prologue(*cols):
-        xs = [settled(cs) for cs in cols]  # first: loads out with the row's, not after its sum
         # the norm's sum of squares over the whole row: one load of it for one row; for more,
         # spans of bk columns, so [rows, width] float32 never has to sit in registers at once
         span = _pow2(k) if rows == 1 else bk
@@ -266,7 +265,8 @@ def _norm_kernel(*refs, specs, parts, widths, m, k, eps, bn, bk, rows, dt):
             total = total + jnp.sum(part * part, axis=1, keepdims=True)
         inv = jax.lax.rsqrt(total / k + eps)
         out = []
-        for cs, x in zip(cols, xs, strict=True):
+        for cs in cols:
+            x = settled(cs)  # these columns (the same arithmetic, so the same values)
             if in_order(cs):
                 store(x)
             out.append(_round(g_of(cs) * _round(x * inv, dt), dt))

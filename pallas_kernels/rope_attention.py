@@ -162,26 +162,6 @@ def _kernel(
     split = pl.program_id(2)
     length = jnp.maximum(len_ref[()], 0)
     prefix = jnp.minimum(length, seq_len)
-    start = split * split_len
-    end = jnp.minimum(start + split_len, prefix)
-    n_iter = jnp.maximum(end - start + (block_k - 1), 0) // block_k
-
-    def prefix_block(i):  # the split's i-th KV block of the prefix, and which slots are in it
-        s0 = start + i * block_k
-        ok = (s0 + jnp.arange(block_k)) < end
-        rows = ok[:, None]
-        k1 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(0, half)], mask=rows, other=0.0)
-        k2 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(half, half)], mask=rows, other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(s0, block_k), :], mask=rows, other=0.0)
-        return k1, k2, v, ok[None, :]
-
-    # Every load a program needs before its first dot is issued before any arithmetic waits on
-    # one, so their latencies overlap: the split's first prefix block (peeled out of the loop;
-    # all masked off in an empty split, where its update changes nothing), the queries, and the
-    # block part (the new keys, rotated here, and values, written into the cache by the last
-    # split of the first row tile at the end: their slots are past the prefix, which is all any
-    # program reads from the cache).
-    first = prefix_block(0)
     # this tile's query rows: row r is token r // g, query head kv_head * g + r % g
     r = row_tile * block_m + jnp.arange(block_m)
     live = r < n_rows
@@ -195,19 +175,7 @@ def _kernel(
     q2 = new(q_ref, (tok, head, col + half), lanes)
     qc = plgpu.load(cos_ref.at[tok, col], mask=lanes, other=0.0)
     qs = plgpu.load(sin_ref.at[tok, col], mask=lanes, other=0.0)
-    cols = jnp.arange(n_pad)
-    real = cols < n_new
-    valid = real & (length + cols < seq_len)
-    new_rows = real[:, None]
-    kh1 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(0, half)), new_rows)
-    kh2 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(half, half)), new_rows)
-    vb = new(vn_ref, (pl.ds(0, n_pad), pl.ds(0, 2 * half)), new_rows)
-    c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
-    sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
-    slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
-    allowed = (bm_ref[...] != 0) & valid[None, :]
     q1, q2 = rotate(q1, q2, qc, qs)  # [block_m, half]: the halves RoPE pairs
-    k1, k2 = rotate(kh1, kh2, c, sn)
 
     def update(carry, k1, k2, v, allowed):
         acc, m, ssum = carry
@@ -220,21 +188,49 @@ def _kernel(
         pv = D._dot(p.astype(v.dtype), v, contract_b=0)
         return acc * alpha[:, None] + pv, m_new, ssum
 
+    # the block part's loads first, so their latency overlaps the prefix loop's: the new keys
+    # (rotated here) and values, written into the cache by the last split of the first row
+    # tile (their slots are past the prefix, which is all any program reads from the cache)
+    cols = jnp.arange(n_pad)
+    real = cols < n_new
+    valid = real & (length + cols < seq_len)
+    new_rows = real[:, None]
+    kh1 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(0, half)), new_rows)
+    kh2 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(half, half)), new_rows)
+    vb = new(vn_ref, (pl.ds(0, n_pad), pl.ds(0, 2 * half)), new_rows)
+    c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
+    allowed = (bm_ref[...] != 0) & valid[None, :]
+    k1, k2 = rotate(kh1, kh2, c, sn)
+    put = (valid & (slot == length + cols) & (row_tile == 0) & (split == n_splits - 1))[:, None]
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
+    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
+
+    start = split * split_len
+    end = jnp.minimum(start + split_len, prefix)
+    n_iter = jnp.maximum(end - start + (block_k - 1), 0) // block_k
+
+    def body(i, carry):
+        s0 = start + i * block_k
+        ok = (s0 + jnp.arange(block_k)) < end
+        rows = ok[:, None]
+        k1 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(0, half)], mask=rows, other=0.0)
+        k2 = plgpu.load(k_ref.at[pl.ds(s0, block_k), pl.ds(half, half)], mask=rows, other=0.0)
+        v = plgpu.load(v_ref.at[pl.ds(s0, block_k), :], mask=rows, other=0.0)
+        return update(carry, k1, k2, v, ok[None, :])
+
     carry = (
         jnp.zeros((block_m, 2 * half), jnp.float32),
         jnp.full((block_m,), D._NEG, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
-    carry = update(carry, *first)
-    carry = lax.fori_loop(1, n_iter, lambda i, c: update(c, *prefix_block(i)), carry)
+    carry = lax.fori_loop(0, n_iter, body, carry)
 
     last = split == n_splits - 1
     carry = lax.cond(last, lambda c: update(c, k1, k2, vb, allowed), lambda c: c, carry)
     acc, m, ssum = carry
-    put = (valid & (slot == length + cols) & (row_tile == 0) & last)[:, None]
-    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
-    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
-    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
     plgpu.store(o_ref, acc, mask=lanes)
     plgpu.store(m_ref, m, mask=live)
     plgpu.store(ssum_ref, ssum, mask=live)
