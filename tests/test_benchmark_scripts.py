@@ -173,3 +173,24 @@ def test_the_round_probe_finds_each_kernels_source_line():
     lines, start = inspect.getsourcelines(ranking.top_k)
     own = {f"jaxspec/ranking.py:{n}" for n in range(start, start + len(lines))}
     assert where and any(w.split(" < ")[0] in own for w in where), where
+
+
+def test_the_gpu_runners_record_the_newest_carried_commit(tmp_path):
+    """A warm GPU machine keeps the carried folders of earlier calls: ``env.sh`` takes the
+    newest ``.carry*/commit``, not the first by name (a run once recorded a stale commit)."""
+    for folder, commit, age in ((".carry1", "stale01", 600), (".carry2", "fresh02", 0)):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "commit"
+        path.write_text(commit + "\n")
+        os.utime(path, (path.stat().st_mtime - age,) * 2)
+    env = REPO / "benchmarks" / "gpu" / "env.sh"
+    got = subprocess.run(
+        ["bash", "-c", f'source "{env}" && echo "$JAXSPEC_COMMIT"'],
+        cwd=tmp_path,
+        env={**os.environ, "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert got.stdout.strip() == "fresh02"
+    assert (tmp_path / ".jaxspec_commit").read_text().strip() == "fresh02"
