@@ -256,7 +256,8 @@ def peer(path: str, ids: list[int], new: int, timeout_s: float = 420) -> dict | 
     rows, err = [], ""
     with tempfile.TemporaryDirectory() as tmp:
         f = pathlib.Path(tmp) / "ids.json"
-        f.write_text(json.dumps({"ctx1024": ids}))
+        # the key names the peer's rows: the context the cache holds by the end
+        f.write_text(json.dumps({f"ctx{len(ids) + new}": ids}))
         log = pathlib.Path(tmp) / "stderr.txt"  # a file: a full pipe would stall the peer
         errf = log.open("w")
         proc = subprocess.Popen(
@@ -389,7 +390,11 @@ def main():
         "model": f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to {model.dtype})",
         "new_tokens": args.new,
         "kernels": model.net().kernels.describe(),
-        "runs": {n: {"method": m, "draft": k, **o} for n, m, k, o in RUNS if k in drafts},
+        "runs": {
+            n: {"method": m, "draft": k, **o}
+            for n, m, k, o in RUNS + tree_runs(args.trees)
+            if k in drafts
+        },
         **({"draft_vocab": vocab_size_of(drafts["draft"]) or "full"} if args.draft else {}),
     }
     contexts = [int(c) for c in args.contexts.split(",") if c]

@@ -41,7 +41,8 @@ class TreeShape:
     deep 1777. As the default, in the next call (c21442e): 2122 against the chain's 2044; at
     05874ae on another H100 2039 against 2003. With the drafts' heads cut to 16384 tokens (one
     H200, 6b5bd44, small_model.json) it still leads the deeper shapes: 2205 tok/s against 2072
-    for 4 expansions and 2027 for 6x8x4x16 (the gamma-4 chain 2316)."""
+    for 4 expansions and 2027 for 6x8x4x16 (the gamma-4 chain 2316). Verifying 7 nodes (8 rows,
+    where 9 pad to 16) lost on an H100 at 54bf7da: 2075 against 2283 (the chain 2342)."""
 
     depth: int = 3
     width: int = 8
@@ -65,8 +66,9 @@ class TreeShape:
 # prompts, the first shipped head) a tree of depth 6 and bs 16 accepted 4.66 tokens a
 # verification at 1.48x autoregressive against 3.83 at 1.46x for depth 4 and bs 8 (EAGLE-2 grows
 # 5-6 deep). With the fused-reads head (one H100, 10 prompts, 2026-12-07) depth 4 and bs 8 ran
-# faster (4.10 at 1.93x against 5.28 at 1.74x): one run of half the prompts on another GPU,
-# against the tie above, so the default waits for an H200 run of this head (`depth=4, bs=8`).
+# faster (4.10 at 1.93x against 5.28 at 1.74x), and in small_model.json (one H100, 54bf7da,
+# one 1K prompt) 2948 tok/s against 2561 for depth 6 / bs 15: two runs on another GPU against
+# the tie above, so the default waits for an H200 run of this head (`depth=4, bs=8`).
 FEATURE_SHAPE = {"depth": 6, "bs": 16}
 
 
