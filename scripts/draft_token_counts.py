@@ -1,8 +1,8 @@
 """Give draft folders the token counts ``load_draft`` cuts their LM head with.
 
-A draft distilled by this jaxspec has ``token_counts.npy`` already (its distill data's); this
-counts the tokens of a distill data folder and writes them into drafts distilled before, such
-as the shipped ones (``checkpoints/README.md``):
+A draft distilled by this jaxspec has ``token_counts.npy`` already (its distill data's, each
+source weighted equally); this counts the tokens of a distill data folder the same way and
+writes them into drafts distilled before, such as the shipped ones (``checkpoints/README.md``):
 
     python scripts/draft_token_counts.py --data /tmp/draft-data \\
         checkpoints/drafts/smollm2-135m-instruct-draft \\
@@ -16,6 +16,7 @@ prompt sets, their held-out prompts left out (``jaxspec.train.data``; minutes on
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128, help="new tokens a prompt, when writing")
     args = ap.parse_args(argv)
     from jaxspec.io.draft_checkpoint import write_token_counts
-    from jaxspec.train.data import DataSpec, _load_data, generate_data
+    from jaxspec.train.data import DataSpec, _load_data, generate_data, source_counts
 
     data = pathlib.Path(args.data).expanduser().absolute()
     try:
@@ -40,14 +41,16 @@ def main(argv=None) -> int:
             spec = DataSpec(samples=0, max_new=args.new)
             generate_data(load(default_checkpoint()), data, spec)
         stream, meta = _load_data(data)
-        sources = ", ".join(s if isinstance(s, str) else str(s) for s in meta["spec"]["data"])
+        sources = ", ".join(meta["sources"])  # as run: "given" for prompts passed in
         source = (
             f"{meta['documents']} documents of {sources} (prompts and the target's greedy "
             f"continuations, {meta['spec']['max_new']} new tokens; held-out prompts left out): "
             f"{meta['tokens']} tokens"
         )
+        source += ", each source weighted equally (train.data.source_counts)"
         for d in args.drafts:
-            counts = write_token_counts(d, stream, source)
+            vocab = json.loads((pathlib.Path(d) / "draft.json").read_text())["config"]["vocab_size"]
+            counts = write_token_counts(d, source_counts(data, stream, meta, vocab), source)
             print(f"{d}: counts of {counts.sum()} tokens, {(counts > 0).sum()} distinct")
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)

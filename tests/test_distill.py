@@ -220,8 +220,10 @@ def test_the_draft_keeps_its_datas_token_counts_and_loads_with_a_cut_head(run, t
         load_draft(old, target, vocab=16)
     with pytest.raises(OptionError, match="vocab="):
         load_draft(run.path, target, vocab="half")
-    DC.write_token_counts(old, stream, "test")
+    DC.write_token_counts(old, counts, "test")
     np.testing.assert_array_equal(np.load(old / DC.TOKEN_COUNTS), counts)
+    with pytest.raises(OptionError, match="one for each token id"):
+        DC.write_token_counts(old, counts[:10], "test")
     assert json.loads((old / "draft.json").read_text())["token_counts"]["source"] == "test"
     (old / DC.TOKEN_COUNTS).write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="unreadable"):
@@ -335,3 +337,26 @@ def test_the_budget_bounds_the_whole_run(target, tmp_path):
 def test_a_run_shorter_than_a_warmup_is_too_brief(run):
     assert not run.too_brief and run.steps >= D.BRIEF_STEPS
     assert dataclasses.replace(run, steps=D.BRIEF_STEPS - 1).too_brief
+
+
+def test_the_token_counts_weigh_each_data_source_equally(tmp_path):
+    """``source_counts``: a big source does not crowd a small one out of a cut head. Two passes
+    over three prompts (source a: prompts 0-1, source b: prompt 2); a's documents hold 9 tokens
+    of id 1, b's 3 of id 2 and 1 of id 3, so b's counts are scaled by 9 / 4 to a's total."""
+    from jaxspec.train.data import source_counts
+
+    docs = [[1, 1, 1], [1, 1], [2, 2], [1, 1], [1, 1], [2, 3]]  # pass 0 then pass 1
+    stream = np.concatenate([np.asarray(d, np.int32) for d in docs])
+    np.save(tmp_path / "offsets.npy", np.cumsum([0] + [len(d) for d in docs]))
+    meta = {"sources": {"a": {"prompts": 2}, "b": {"prompts": 1}}}
+    got = source_counts(tmp_path, stream, meta, 5)
+    np.testing.assert_array_equal(got, [0, 9, 7, 2, 0])  # 6.75 and 2.25, rounded
+    assert got.dtype == np.int32
+    one = {"sources": {"given": {"prompts": 3}}}  # one source: the plain counts
+    np.testing.assert_array_equal(source_counts(tmp_path, stream, one, 5), [0, 9, 3, 1, 0])
+    cut = {"sources": {"a": {"prompts": 2}, "b": {"prompts": 1}}}  # a budget cut: 4 documents
+    np.save(tmp_path / "offsets.npy", np.cumsum([0] + [len(d) for d in docs[:4]]))
+    np.testing.assert_array_equal(source_counts(tmp_path, stream[:9], cut, 5), [0, 7, 7, 0, 0])
+    (tmp_path / "offsets.npy").write_bytes(b"junk")
+    with pytest.raises(JaxspecError, match="unreadable"):
+        source_counts(tmp_path, stream, meta, 5)

@@ -292,17 +292,20 @@ def read_token_counts(d: pathlib.Path, cfg: ModelConfig) -> np.ndarray | None:
     return counts
 
 
-def token_counts_of(stream: np.ndarray, vocab_size: int) -> np.ndarray:
-    """How often each token id occurs in ``stream`` (int32 ``[vocab_size]``)."""
-    return np.bincount(np.asarray(stream).reshape(-1), minlength=vocab_size).astype(np.int32)
-
-
-def write_token_counts(path: PathLike, stream: np.ndarray, source: str) -> np.ndarray:
-    """Give the finished draft folder ``path`` the counts of the tokens in ``stream`` (``source``:
-    what text that is, recorded in ``draft.json``), each file replaced atomically."""
+def write_token_counts(path: PathLike, counts: np.ndarray, source: str) -> np.ndarray:
+    """Give the finished draft folder ``path`` token ``counts`` (one for each token id of its
+    vocabulary; ``source``: what text they count, recorded in ``draft.json``), each file
+    replaced atomically."""
     d = _draft_dir(pathlib.Path(path).expanduser().absolute())
     meta = _read_json(d / "draft.json", "draft description")
-    counts = token_counts_of(stream, int(meta["config"]["vocab_size"]))
+    vocab = int(meta["config"]["vocab_size"])
+    counts = np.asarray(counts)
+    if counts.shape != (vocab,) or not np.issubdtype(counts.dtype, np.integer):
+        raise OptionError(
+            f"token counts must be {vocab} integers, one for each token id, got {counts.dtype} "
+            f"{counts.shape}."
+        )
+    counts = counts.astype(np.int32)
     tmp = d / f".{TOKEN_COUNTS}.tmp-{os.getpid()}.npy"
     np.save(tmp, counts)
     os.replace(tmp, d / TOKEN_COUNTS)
@@ -358,7 +361,8 @@ def _write_draft(
         meta["token_counts"] = {
             "file": TOKEN_COUNTS,
             "tokens": int(np.sum(token_counts)),
-            "source": "the distill data (prompts and the target's continuations)",
+            "source": "the distill data (prompts and the target's continuations), each "
+            "source weighted equally (train.data.source_counts)",
         }
     with writing_beside(dst) as (tmp, _):
         _save_params(tmp / "params", weights)

@@ -74,7 +74,6 @@ from jaxspec.io.draft_checkpoint import (
     draft_config,
     fingerprint,
     load_draft,
-    token_counts_of,
 )
 from jaxspec.model.feature_head import abstract_head
 from jaxspec.model.transformer import Model, Net, abstract_model
@@ -86,6 +85,7 @@ from jaxspec.train.data import (
     _spec_json,
     _windows,
     generate_data,
+    source_counts,
 )
 from jaxspec.train.feature import feature_step, head_shapes, init_head, reads_of
 from jaxspec.train.init_from import training_of, weights_from
@@ -360,7 +360,7 @@ def _data(target, data_dir, spec, recipe, prompts, deadline, progress):
             f"windows of {recipe.seq_len}; lower batch or seq_len, or generate more "
             "(samples, max_new, more prompts)."
         )
-    return windows, meta, token_counts_of(stream, target.config.vocab_size)
+    return windows, meta, source_counts(data_dir, stream, meta, target.config.vocab_size)
 
 
 def _restore_or_init(target, recipe, mngr, out, resume, *, fixed_total) -> _State:
