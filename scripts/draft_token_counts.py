@@ -16,7 +16,6 @@ prompt sets, their held-out prompts left out (``jaxspec.train.data``; minutes on
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -29,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, help="a distill data folder (written if absent)")
     ap.add_argument("--new", type=int, default=128, help="new tokens a prompt, when writing")
     args = ap.parse_args(argv)
-    from jaxspec.io.draft_checkpoint import write_token_counts
+    from jaxspec.io.draft_checkpoint import _read_json, write_token_counts
     from jaxspec.train.data import DataSpec, _load_data, generate_data, source_counts
 
     data = pathlib.Path(args.data).expanduser().absolute()
@@ -47,9 +46,10 @@ def main(argv=None) -> int:
             f"continuations, {meta['spec']['max_new']} new tokens; held-out prompts left out): "
             f"{meta['tokens']} tokens"
         )
-        source += ", each source weighted equally (train.data.source_counts)"
+        source += ", each source's counts scaled to the largest source's total"
         for d in args.drafts:
-            vocab = json.loads((pathlib.Path(d) / "draft.json").read_text())["config"]["vocab_size"]
+            vocab = _read_json(pathlib.Path(d) / "draft.json", "draft description")["config"]
+            vocab = int(vocab["vocab_size"])
             counts = write_token_counts(d, source_counts(data, stream, meta, vocab), source)
             print(f"{d}: counts of {counts.sum()} tokens, {(counts > 0).sum()} distinct")
     except JaxspecError as e:

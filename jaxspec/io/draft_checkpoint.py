@@ -362,7 +362,8 @@ def _write_draft(
             "file": TOKEN_COUNTS,
             "tokens": int(np.sum(token_counts)),
             "source": "the distill data (prompts and the target's continuations), each "
-            "source weighted equally (train.data.source_counts)",
+            "source's counts scaled to the largest source's total (train.data.source_counts; "
+            "so with several sources they sum past the data's tokens)",
         }
     with writing_beside(dst) as (tmp, _):
         _save_params(tmp / "params", weights)
