@@ -12,9 +12,8 @@ drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat,
 chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
 ``distilled``: chain, gamma 4, the shipped small draft; ``feature``: chain, gamma 4, the feature
 draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 6, bs
-16); ``feature-chain6``, ``feature-tree4`` (depth 4, bs 8: other drafts' default until
-9f90429), ``feature-tree4-bs7`` and ``feature-tree6-bs15`` (verifies of 8 and 16 nodes) on
-request.
+16); ``feature-chain6`` and ``feature-tree4`` (depth 4, bs 8: other drafts' default until
+9f90429) on request.
 Each call is timed around ``generate`` as a user makes it (host work included); a call that
 compiled (a new prompt width) runs again and the second is timed. Every row's tokens are compared
 with autoregressive decoding's: in float32 they must all be equal (the script exits 1 otherwise).
@@ -59,10 +58,6 @@ CONFIGS = {  # name: (method, draft key, options)
     "feature-tree": ("tree", "feature", {}),  # a feature draft's default: depth 6, bs 16
     "feature-chain6": ("chain", "feature", {"gamma": 6}),
     "feature-tree4": ("tree", "feature", {"depth": 4, "bs": 8}),
-    # a verify of bs + 1 = 8 / 16 nodes: the GEMMs' rows pad to 8 and 16 (layers.stream_rows),
-    # where 9 nodes pad to 16 and 17 run unpadded
-    "feature-tree4-bs7": ("tree", "feature", {"depth": 4, "bs": 7}),
-    "feature-tree6-bs15": ("tree", "feature", {"depth": 6, "bs": 15}),
 }
 TREE_KEYS = ("depth", "width", "branch", "bs")
 DEFAULT = "autoregressive,distilled,feature,feature-tree"
