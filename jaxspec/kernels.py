@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import OptionError
-from pallas_kernels import fused_linear
+from pallas_kernels import decode_attention, fused_linear
 
 FUSED = ("auto", "off", "pallas", "interpret")
 ATTENTION = ("auto", "reference", "pallas", "interpret")
@@ -142,8 +142,9 @@ class KernelConfig:
                      flash attention over the chunk's own K/V, for bf16/f16), "xla" (the same
                      call through XLA: any backend, tests), "off" (``attention``'s path). Other
                      blocks take ``attention``'s.
-    attention_tile:  (block_k, num_stages, min_split) of the split-K decode kernel; None: its own
-                     heuristics (``pallas_kernels.decode_attention.plan``).
+    attention_tile:  (block_k, num_stages, min_split, num_warps) of the split-K decode kernel
+                     and the fused attention kernel (None entries, or a shorter tuple: its own
+                     heuristics, ``pallas_kernels.decode_attention.plan``).
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
     linear_tile:     (BN, BK, warps) of those kernels.
@@ -173,7 +174,7 @@ class KernelConfig:
 
     attention: str = "auto"
     prefill_attention: str = "auto"
-    attention_tile: tuple[int | None, int | None, int | None] | None = None
+    attention_tile: tuple[int | None, ...] | None = None
     fused_attention: str = "auto"
     fused_linear: str = "auto"
     linear_tile: tuple[int, int, int] | None = None
@@ -215,13 +216,8 @@ class KernelConfig:
                 )
             if not _positive(self.linear_tile[2]):
                 raise OptionError(f"linear_tile's warps must be positive, got {self.linear_tile}.")
-        if self.attention_tile is not None:
-            bk, stages, split = (tuple(self.attention_tile) + (None,) * 3)[:3]
-            if bk is not None and not _pow2(bk):
-                raise OptionError(f"attention_tile's block_k must be a power of two >= 16: {bk}.")
-            for what, v in (("num_stages", stages), ("min_split", split)):
-                if v is not None and not _positive(v):
-                    raise OptionError(f"attention_tile's {what} must be positive, got {v!r}.")
+        if (problem := decode_attention.tile_problem(self.attention_tile)) is not None:
+            raise OptionError(f"KernelConfig.attention_tile: {problem}; {self.attention_tile!r}.")
         if self.linear_rows is not None and not (
             _int(self.linear_rows) and 1 <= self.linear_rows <= 16
         ):
@@ -407,8 +403,8 @@ TILE_ENV = (
     ("linear_tile", ("JAXSPEC_FUSED_BN", "JAXSPEC_FUSED_BK", "JAXSPEC_FUSED_WARPS"), (64, 128, 4)),
     (
         "attention_tile",
-        ("JAXSPEC_ATTN_BLOCK_K", "JAXSPEC_ATTN_STAGES", "JAXSPEC_ATTN_MIN_SPLIT"),
-        (None, None, None),
+        tuple(f"JAXSPEC_ATTN_{n}" for n in ("BLOCK_K", "STAGES", "MIN_SPLIT", "WARPS")),
+        (None,) * 4,
     ),
     (
         "quant_tile",

@@ -68,6 +68,30 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def tile_entries(tile) -> tuple:
+    """``(block_k, num_stages, min_split, num_warps)`` of an attention tile
+    (``KernelConfig.attention_tile``): None, or a shorter tuple, leaves entries None (``plan``'s
+    defaults)."""
+    return (tuple(tile or ()) + (None,) * 4)[:4]
+
+
+def tile_problem(tile) -> str | None:
+    """What is wrong with an attention tile (None: nothing)."""
+    if tile is None:
+        return None
+    if len(tile) > 4:
+        return "it is (block_k, num_stages, min_split, num_warps)"
+    block_k, *counts = tile_entries(tile)
+    if block_k is not None and not (
+        isinstance(block_k, int) and block_k >= 16 and not block_k & (block_k - 1)
+    ):
+        return f"block_k must be a power of two >= 16, not {block_k!r}"
+    for what, v in zip(("num_stages", "min_split", "num_warps"), counts, strict=True):
+        if v is not None and not (isinstance(v, int) and v > 0):
+            return f"{what} must be a positive integer, not {v!r}"
+    return None
+
+
 def layout_problem(q, k, v) -> str | None:
     """What no attention kernel here takes (shapes, GQA grouping, head size, dtypes), or None."""
     b, _, h, hd = q.shape

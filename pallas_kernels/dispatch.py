@@ -74,7 +74,8 @@ def attention(
 ) -> Float[Array, "b t h hd"]:
     """Grouped-query attention of T queries over the cache prefix plus their allowed block slots
     (see ``pallas_kernels.reference.attend``), by the implementation ``impl`` picks. ``tile``:
-    the split-K decode kernel's (block_k, num_stages, min_split) overrides (None: its own)."""
+    the split-K decode kernel's (block_k, num_stages, min_split, num_warps) overrides (None: its
+    own)."""
     chosen = choose_impl(q, k, v, block_mask, impl)
     if chosen == "reference":
         return attend(q, k, v, length, block_mask)
@@ -83,16 +84,16 @@ def attention(
             f"impl='pallas' needs a GPU backend (have {jax.default_backend()!r}); "
             "use 'pallas_interpret' or 'auto'"
         )
-    tile = tuple(tile) if tile is not None else (None, None, None)
+    tile = D.tile_entries(tile)
     return _partitioned_kernel(q, k, v, length, block_mask, chosen == "interpret", tile)
 
 
 def _kernel(q, k, v, length, block_mask, interpret, tile):
     if D.unsupported_reason(q, k, v, block_mask) is None:
-        block_k, stages, min_split = tile
+        block_k, stages, min_split, warps = tile
         return D.decode_attention(
             q, k, v, length, block_mask, block_k=block_k, num_stages=stages,
-            min_split=min_split, interpret=interpret,
+            min_split=min_split, num_warps=warps, interpret=interpret,
         )  # fmt: skip
     return P.prefill_attention(q, k, v, length, block_mask, interpret=interpret)
 

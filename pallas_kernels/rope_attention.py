@@ -298,7 +298,7 @@ def rope_attention_splits(
     max_splits: int | None = None,
 ) -> tuple[Splits, Float[Array, "b s kh hd"], Float[Array, "b s kh hd"]]:
     """``rope_attention`` without the combine: (the kernel's ``Splits``, K cache, V cache).
-    ``tile``: (block_k, num_stages, min_split) overrides of ``decode_attention.plan``'s
+    ``tile``: (block_k, num_stages, min_split, num_warps) overrides of ``decode_attention.plan``'s
     defaults (None: its defaults); where the tile leaves ``min_split`` open, ``min_split`` and
     ``max_splits`` are the shortest prefix split and the most splits (``plan``'s; None: its
     defaults). long: the kernel's layout (padded row tiles, the
@@ -313,11 +313,11 @@ def rope_attention_splits(
     h = num_heads
     g = h // kh
     rows = t * g
-    block_k, stages, tile_split = tile or (None, None, None)
+    block_k, stages, tile_split, warps = D.tile_entries(tile)
     if tile_split is not None:  # the tile's split length, unbounded
         min_split, max_splits = tile_split, None
     p = D.plan(b, s, kh, rows, head_dim=hd, block_k=block_k, num_stages=stages,
-               min_split=min_split, max_splits=max_splits)  # fmt: skip
+               num_warps=warps, min_split=min_split, max_splits=max_splits)  # fmt: skip
     m_pad, bm, n_splits = p["m_pad"], p["block_m"], p["k_splits"]
     n_pad = max(16, D._next_pow2(t))
     bmr = jnp.repeat(block_mask, g, axis=1)

@@ -124,6 +124,8 @@ def test_bad_kernel_config_values_name_the_field():
         dict(attention="flash"),
         dict(fused_linear="yes"),
         dict(linear_tile=(48, 128, 4)),
+        dict(attention_tile=(None, None, None, 0)),  # no warps
+        dict(attention_tile=(128, 2, 128, 4, 1)),  # a fifth entry
         dict(prefill_chunk=100),
         dict(loop_chunk=0),
         dict(gemm_rows=-1),

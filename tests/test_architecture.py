@@ -251,6 +251,7 @@ GARBAGE = {
     "JAXSPEC_ATTN_BLOCK_K": "seven",
     "JAXSPEC_ATTN_STAGES": "??",
     "JAXSPEC_ATTN_MIN_SPLIT": "big",
+    "JAXSPEC_ATTN_WARPS": "four",
     "JAXSPEC_MIN_GEMM_ROWS": "eight",
     "JAXSPEC_ROW_PADDING": "both",
     "JAXSPEC_PREFILL_CHUNK": "100",

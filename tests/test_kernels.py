@@ -293,14 +293,14 @@ def test_attention_tile_reaches_the_kernel(monkeypatch):
     from jaxspec.kernels import KernelConfig
     from pallas_kernels import dispatch
 
-    env = {"JAXSPEC_ATTN_BLOCK_K": "32", "JAXSPEC_ATTN_STAGES": "1"}
+    env = {"JAXSPEC_ATTN_BLOCK_K": "32", "JAXSPEC_ATTN_STAGES": "1", "JAXSPEC_ATTN_WARPS": "2"}
     tile = KernelConfig.from_env(env).attention_tile
-    assert tile == (32, 1, None)
+    assert tile == (32, 1, None, 2)
     seen = []
     real = dispatch.D.decode_attention
 
     def spy(*args, **kw):
-        seen.append({k: kw[k] for k in ("block_k", "num_stages", "min_split")})
+        seen.append({k: kw[k] for k in ("block_k", "num_stages", "min_split", "num_warps")})
         return real(*args, **kw)
 
     monkeypatch.setattr(dispatch.D, "decode_attention", spy)
@@ -310,8 +310,8 @@ def test_attention_tile_reaches_the_kernel(monkeypatch):
     check(attention(*poisoned, impl="interpret", tile=tile), clean, jnp.float32)
     check(attention(*poisoned, impl="interpret"), clean, jnp.float32)
     assert seen == [
-        dict(block_k=32, num_stages=1, min_split=None),
-        dict(block_k=None, num_stages=None, min_split=None),
+        dict(block_k=32, num_stages=1, min_split=None, num_warps=2),
+        dict(block_k=None, num_stages=None, min_split=None, num_warps=None),
     ]
 
 

@@ -113,6 +113,7 @@ def test_split_bounds_apply_where_the_tile_leaves_the_split_length_open():
         (None, {"min_split": 128}, 5),
         ((None, None, 128), {"max_splits": 2}, 5),
         ((None, None, 512), {"min_split": 128, "max_splits": 4}, 2),
+        ((None, 1, 128, 2), {}, 5),  # num_stages and num_warps reach the kernel's call
     )
     for tile, bounds, n in cases:
         split, k, v = R.rope_attention_splits(

@@ -27,6 +27,25 @@ if [ "${1:-}" = attention ]; then
     bench attention_split 150 env "${env[@]}" python3 benchmarks/probe_small.py --label "$1" \
       --batch "$2" --context "$3" --steps "$4" --out "$OUT" --file attention_split.json
   }
+  if [ "${2:-}" = launch ]; then
+    # `bash benchmarks/gpu/small_step.sh attention launch` (~5 min): the kernel's Triton warps
+    # and KV pipeline stages (attention_tile's num_warps, num_stages) at the fused path's own
+    # splits, a decode step and a 5-token verify at 1K and the batch-128 self-draft step; the
+    # defaults first and last (the call's noise)
+    for shape in 1:1:1024:32 1:5:1024:32 128:1:512:16; do
+      IFS=: read -r b t c n <<< "$shape"
+      for ws in -:- 1:- 2:- 8:- 4:1 4:2 2:1 -:-; do
+        IFS=: read -r w st <<< "$ws"
+        env=()
+        [ "$w" != - ] && env+=(JAXSPEC_ATTN_WARPS="$w")
+        [ "$st" != - ] && env+=(JAXSPEC_ATTN_STAGES="$st")
+        bench attention_split 150 env "${env[@]}" python3 benchmarks/probe_small.py \
+          --label "attn_w${w}_s${st}_b${b}_t${t}_c${c}" --batch "$b" --tokens "$t" \
+          --context "$c" --steps "$n" --out "$OUT" --file attention_split.json
+      done
+    done
+    exit
+  fi
   split defaults_c1024 1 1024 32
   for t in 128:128 64:64 128:64 32:32 512:128; do
     split "attn_split${t%:*}_k${t#*:}_c1024" 1 1024 32 "${t%:*}" "${t#*:}"
