@@ -34,7 +34,7 @@ if [ "${1:-}" = attention ]; then
     # defaults first and last (the call's noise)
     for shape in 1:1:1024:32 1:5:1024:32 128:1:512:16; do
       IFS=: read -r b t c n <<< "$shape"
-      for ws in -:- 1:- 2:- 8:- 4:1 4:2 2:1 -:-; do
+      for ws in -:- 1:- 2:- 8:- 4:1 4:2 -:-; do
         IFS=: read -r w st <<< "$ws"
         env=()
         [ "$w" != - ] && env+=(JAXSPEC_ATTN_WARPS="$w")
