@@ -12,10 +12,10 @@ before RoPE), and per program:
   ``pallas_kernels.reference.apply_rope``);
 - runs the same split-K online softmax over the committed prefix ``[0, length)`` as
   ``decode_attention`` (the prefix is read from the cache, never written);
-- or, in one more program past the prefix splits, the block part, from registers instead of
-  the cache: the new keys, rotated here, and the new values; that program's first row tile
-  stores the rotated keys and the values into the cache at their slots. The caches are aliased
-  inputs/outputs, so only those rows change.
+- in the last split, takes the block part from registers instead of the cache: the new keys,
+  rotated here, and the new values;
+- in the last split of the first row tile, stores the rotated keys and the values into the
+  cache at their slots. The caches are aliased inputs/outputs, so only those rows change.
 
 ``qkv`` may also be float32 partial sums ``[P, B, T, H + 2 KH, hd]`` (the split-K projection
 kernels of ``fused_linear``): each load then sums the P partials and rounds to the cache's dtype,
@@ -188,6 +188,26 @@ def _kernel(
         pv = D._dot(p.astype(v.dtype), v, contract_b=0)
         return acc * alpha[:, None] + pv, m_new, ssum
 
+    # the block part's loads first, so their latency overlaps the prefix loop's: the new keys
+    # (rotated here) and values, written into the cache by the last split of the first row
+    # tile (their slots are past the prefix, which is all any program reads from the cache)
+    cols = jnp.arange(n_pad)
+    real = cols < n_new
+    valid = real & (length + cols < seq_len)
+    new_rows = real[:, None]
+    kh1 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(0, half)), new_rows)
+    kh2 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(half, half)), new_rows)
+    vb = new(vn_ref, (pl.ds(0, n_pad), pl.ds(0, 2 * half)), new_rows)
+    c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
+    slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
+    allowed = (bm_ref[...] != 0) & valid[None, :]
+    k1, k2 = rotate(kh1, kh2, c, sn)
+    put = (valid & (slot == length + cols) & (row_tile == 0) & (split == n_splits - 1))[:, None]
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
+    plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
+    plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
+
     start = split * split_len
     end = jnp.minimum(start + split_len, prefix)
     n_iter = jnp.maximum(end - start + (block_k - 1), 0) // block_k
@@ -208,32 +228,8 @@ def _kernel(
     )
     carry = lax.fori_loop(0, n_iter, body, carry)
 
-    def block_part(carry):
-        # the program past the prefix splits: the new keys (rotated here) and values, attended
-        # from registers and written into the cache by its first row tile (their slots are past
-        # the prefix, which is all the other programs read from the cache). Its own program,
-        # not the last prefix split's tail: that tail was half the kernel's time (an ablation on
-        # one H100, benchmarks/notes/attention_split.md)
-        cols = jnp.arange(n_pad)
-        real = cols < n_new
-        valid = real & (length + cols < seq_len)
-        new_rows = real[:, None]
-        kh1 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(0, half)), new_rows)
-        kh2 = new(kn_ref, (pl.ds(0, n_pad), pl.ds(half, half)), new_rows)
-        vb = new(vn_ref, (pl.ds(0, n_pad), pl.ds(0, 2 * half)), new_rows)
-        c = plgpu.load(cos_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
-        sn = plgpu.load(sin_ref.at[pl.ds(0, n_pad), :], mask=new_rows, other=0.0)
-        slot = plgpu.load(slot_ref.at[pl.ds(0, n_pad)], mask=real, other=-1)
-        allowed = (bm_ref[...] != 0) & valid[None, :]
-        k1, k2 = rotate(kh1, kh2, c, sn)
-        put = (valid & (slot == length + cols) & (row_tile == 0))[:, None]
-        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(0, half)], k1, mask=put)
-        plgpu.store(ko_ref.at[pl.ds(length, n_pad), pl.ds(half, half)], k2, mask=put)
-        plgpu.store(vo_ref.at[pl.ds(length, n_pad), :], vb, mask=put)
-        return update(carry, k1, k2, vb, allowed)
-
-    # the block's program has no prefix split (its loop runs no step)
-    carry = lax.cond(split == n_splits, block_part, lambda c: c, carry)
+    last = split == n_splits - 1
+    carry = lax.cond(last, lambda c: update(c, k1, k2, vb, allowed), lambda c: c, carry)
     acc, m, ssum = carry
     plgpu.store(o_ref, acc, mask=lanes)
     plgpu.store(m_ref, m, mask=live)
@@ -242,9 +238,8 @@ def _kernel(
 
 class Splits(NamedTuple):
     """The kernel's per-split results (``decode_attention.decode_attention_partials``' layout:
-    rows ``r = t * G + g`` of each KV head; only ``[..., :T*G]`` is defined; the prefix splits,
-    then the block's), for a consumer that merges them itself (``decode_attention.combine``, or
-    ``fused_linear.combine_project``)."""
+    rows ``r = t * G + g`` of each KV head; only ``[..., :T*G]`` is defined), for a consumer that
+    merges them itself (``decode_attention.combine``, or ``fused_linear.combine_project``)."""
 
     acc: Float[Array, "b kh splits m hd"]
     m: Float[Array, "b kh splits m"]
@@ -355,7 +350,7 @@ def rope_attention_splits(
     f32 = jnp.float32
     acc, m, ssum, k_cache, v_cache = pl.pallas_call(
         kernel,
-        grid=(p["m_tiles"], kh, n_splits + 1, b),  # the prefix splits, then the block's
+        grid=(p["m_tiles"], kh, n_splits, b),
         in_specs=[
             pl.BlockSpec((None,), lambda i, hh, j, bb: (bb,)),
             pl.BlockSpec((None, t), lambda i, hh, j, bb: (bb, 0)),
@@ -378,9 +373,9 @@ def rope_attention_splits(
             kv_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kh, n_splits + 1, m_pad, hd), f32),
-            jax.ShapeDtypeStruct((b, kh, n_splits + 1, m_pad), f32),
-            jax.ShapeDtypeStruct((b, kh, n_splits + 1, m_pad), f32),
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad, hd), f32),
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad), f32),
+            jax.ShapeDtypeStruct((b, kh, n_splits, m_pad), f32),
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ],
