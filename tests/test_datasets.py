@@ -33,6 +33,27 @@ def test_chat_is_mt_bench_first_turns():
     assert datasets.chat_template("chat") and not datasets.chat_template("humaneval")
 
 
+@pytest.mark.parametrize(
+    "name, file, n", [("arena", "arena_hard.json", 705), ("ifeval", "ifeval.json", 541)]
+)
+def test_user_request_sets_are_saved_whole_and_distinct_from_the_benchmarks_chat(name, file, n):
+    """Arena-Hard v2.0 (its questions of at most 4,000 characters) and IFEval: real user turns
+    for distillation, saved with their ids, chat-templated, none of them an MT-Bench turn."""
+    saved = json.loads((datasets.PROMPTS / file).read_text())
+    prompts, source = datasets.load(name)
+    assert prompts == saved["prompts"] and len(prompts) == n == len(set(prompts))
+    ids = saved.get("uids") or saved.get("keys")
+    assert len(ids) == n == len(set(ids))
+    assert all(p.strip() for p in prompts)
+    if name == "arena":
+        assert max(map(len, prompts)) <= 4000
+        assert set(saved["categories"]) == {"coding", "math", "creative_writing"}
+    assert "Apache-2.0" in source and "Apache-2.0" in saved["source"]
+    assert datasets.chat_template(name)
+    assert not set(prompts) & set(datasets.chat())
+    assert datasets.load(name, 3)[0] == prompts[:3]
+
+
 def test_every_named_set_has_a_source_with_a_licence():
     for name, source in datasets.SOURCES.items():
         assert "licence" in source.lower(), name
@@ -44,7 +65,12 @@ def test_every_named_set_has_a_source_with_a_licence():
 
 @pytest.mark.parametrize(
     "name,n,says",
-    [("humaneval", 165, "only 164"), ("chat", 81, "only 80"), ("chat", 0, "positive")],
+    [
+        ("humaneval", 165, "only 164"),
+        ("chat", 81, "only 80"),
+        ("chat", 0, "positive"),
+        ("ifeval", 542, "only 541"),
+    ],
 )
 def test_asking_for_too_many_prompts_is_a_clear_error(name, n, says):
     with pytest.raises(OptionError, match=says):
@@ -117,3 +143,15 @@ def test_stdlib_prompts_are_signatures_with_docstrings(tmp_path):
     assert datasets._file_prompts(f) == ["def kept(self, x):\n    '''Doc.'''\n"]
     (tmp_path / "bad.py").write_text("def (:\n")
     assert datasets._file_prompts(tmp_path / "bad.py") == []
+
+
+def test_distill_takes_the_user_request_sets_as_chat_turns():
+    from jaxspec.train.data import DataSpec, _sources
+
+    spec = DataSpec(data=("arena", "ifeval", "ifeval@raw", "stdlib"))
+    assert _sources(spec) == [
+        ("arena", "arena", True),
+        ("ifeval", "ifeval", True),
+        ("ifeval@raw", "ifeval", False),
+        ("stdlib", "stdlib", False),
+    ]

@@ -71,7 +71,8 @@ def test_the_wheel_holds_the_modules_prompt_sets_and_shipped_draft(installed):
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxspec").rglob("*.py")}
     modules |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "pallas_kernels").rglob("*.py")}
     assert modules <= names, sorted(modules - names)[:5]
-    assert {"jaxspec/io/prompts/humaneval.json", "jaxspec/io/prompts/mt_bench.json"} <= names
+    saved = ("humaneval", "mt_bench", "arena_hard", "ifeval")
+    assert {f"jaxspec/io/prompts/{n}.json" for n in saved} <= names
     draft = {n for n in names if n.startswith(f"jaxspec/shipped/{SHIPPED}/")}
     tracked = [p for p in (ROOT / "checkpoints/drafts" / SHIPPED).rglob("*") if p.is_file()]
     assert len(draft) == len(tracked) and f"jaxspec/shipped/{SHIPPED}/draft.json" in draft

@@ -14,7 +14,10 @@ from jaxspec.train.data import DataSpec
 from jaxspec.train.recipe import Recipe
 
 DRAFT_KINDS = ("self-streaming", "self-snapkv", "ngram")
-DATASETS = "humaneval, chat (MT-Bench, chat template applied), longdoc, stdlib or file:PATH"
+DATASETS = (
+    "humaneval, chat (MT-Bench, chat template applied), arena, ifeval (real user requests), "
+    "longdoc, stdlib or file:PATH"
+)
 OPTION_HELP = (
     "a method option, repeatable: --option width=4 --option loop=threads (an integer, a "
     "number or a word; the method checks it: see the README's Methods table)"
@@ -387,7 +390,8 @@ def _distill(sub) -> None:
     d.add_argument(
         "--data",
         default=None,
-        help="comma-separated prompt sets (humaneval, chat, stdlib, longdoc, file:PATH; "
+        help="comma-separated prompt sets (humaneval, chat, arena, ifeval, stdlib, longdoc, "
+        "file:PATH; "
         "NAME@chat / NAME@raw force the chat template) (default: humaneval,chat)",
     )
     for flag, field, typ, text in DISTILL_OPTIONS:

