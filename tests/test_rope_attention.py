@@ -113,7 +113,7 @@ def test_split_bounds_apply_where_the_tile_leaves_the_split_length_open():
         (None, {"min_split": 128}, 5),
         ((None, None, 128), {"max_splits": 2}, 5),
         ((None, None, 512), {"min_split": 128, "max_splits": 4}, 2),
-        ((None, 1, 128, 2), {}, 5),  # num_stages and num_warps reach the kernel's call
+        ((None, 1, 128, 2), {}, 5),  # a four-entry tile (stages, warps): the same result
     )
     for tile, bounds, n in cases:
         split, k, v = R.rope_attention_splits(
@@ -123,6 +123,30 @@ def test_split_bounds_apply_where_the_tile_leaves_the_split_length_open():
         acc, m, ssum = (x[..., :3, :] if x.ndim == 5 else x[..., :3] for x in split)
         out = D.combine(acc, m, ssum, 1, jnp.float32)
         check((out, k, v), want, poisoned, jnp.float32)
+
+
+def test_the_tile_s_stages_and_warps_reach_the_plan(monkeypatch):
+    """``attention_tile``'s num_stages and num_warps are the kernel's compiler parameters
+    (``decode_attention.plan``'s), not dropped on the way."""
+    from pallas_kernels import decode_attention as D
+
+    seen = []
+    real = D.plan
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        seen.append(
+            (kw.get("num_stages"), kw.get("num_warps"), out["num_stages"], out["num_warps"])
+        )
+        return out
+
+    monkeypatch.setattr(D, "plan", spy)
+    poisoned, _ = make_inputs(11, b=1, t=1, kh=2, g=3, s=96, hd=64, dtype=jnp.float32, tree=False)
+    R.rope_attention_splits(
+        *copies(poisoned), num_heads=6, interpret=INTERPRET, tile=(32, 1, 32, 2)
+    )
+    R.rope_attention_splits(*copies(poisoned), num_heads=6, interpret=INTERPRET, tile=(32, 1, 32))
+    assert seen == [(1, 2, 1, 2), (1, None, 1, 4)]
 
 
 @pytest.mark.parametrize("t, dtype", [(1, jnp.float32), (5, jnp.bfloat16)])
