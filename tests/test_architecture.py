@@ -97,8 +97,12 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow  # a minute of CPU: each module imports the library below it again
 def test_every_module_imports_first_in_a_fresh_interpreter():
-    """An import cycle shows as an ImportError when the wrong module of it is imported first."""
+    """An import cycle shows as an ImportError when the wrong module of it is imported first.
+    The default run checks the same thing on the import graph
+    (``test_layers_import_downwards_without_cycles``, complete because no module imports
+    relatively); this one also catches a module that works only after another was imported."""
     r = subprocess.run([PY, "-c", FRESH, *ALL], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-1000:]
 
@@ -140,6 +144,17 @@ def _layer(module: str) -> int:
                 best = (i, p)
     assert best is not None, module
     return best[0]
+
+
+def test_no_module_imports_relatively():
+    """``_imports`` reads absolute imports only: a relative one would be an edge that the
+    import graph below never sees."""
+    bad = []
+    for module in ALL:
+        for n in ast.walk(ast.parse(_path(module).read_text())):
+            if isinstance(n, ast.ImportFrom) and n.level:
+                bad.append(f"{module}:{n.lineno}")
+    assert not bad, bad
 
 
 def test_layers_import_downwards_without_cycles():
