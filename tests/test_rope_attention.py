@@ -218,9 +218,10 @@ def test_model_tokens_with_the_fused_kernel(monkeypatch):
     ps = tiny.prompts(3, lengths=(19, 4, 11), vocab=64)
     runs = [
         dict(),
-        dict(method="chain", draft="ngram", gamma=3),
-        dict(method="tree", draft="ngram", depth=3),
+        # the chain's verify (4 rows) and its draft model's steps; the tree's verify of its
+        # nodes under their tree mask
         dict(method="chain", draft=tiny.perturbed(target, 0.3, 3), gamma=3),
+        dict(method="tree", draft="ngram", depth=3),
         # sparse drafts: the streaming ring's steps and SnapKV's selection over a fused prefill
         dict(method="magicdec", draft="self-streaming", gamma=2, budget=18, sinks=2),
         dict(method="magicdec", draft="self-snapkv", gamma=2, budget=24),
