@@ -147,7 +147,9 @@ class KernelConfig:
                      heuristics, ``pallas_kernels.decode_attention.plan``).
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
-    linear_tile:     (BN, BK, warps) of those kernels.
+    linear_tile:     (BN, BK, warps) of those kernels, and optionally a fourth entry: the
+                     Q/K/V projection's own BK (None: BK). Its K splits are the partials the
+                     fused attention kernel sums as it loads its heads.
     linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
     quant_matmul:    quantized projections of steps of at most 16 rows: "pallas" (dequantized in
@@ -177,7 +179,7 @@ class KernelConfig:
     attention_tile: tuple[int | None, ...] | None = None
     fused_attention: str = "auto"
     fused_linear: str = "auto"
-    linear_tile: tuple[int, int, int] | None = None
+    linear_tile: tuple[int | None, ...] | None = None  # checked in __post_init__
     linear_rows: int | None = None
     fused_commit: str = "auto"
     quant_matmul: str = "auto"
@@ -209,13 +211,15 @@ class KernelConfig:
                     f"{getattr(self, name)!r}."
                 )
         if self.linear_tile is not None:
-            if len(self.linear_tile) != 3 or not all(_pow2(v) for v in self.linear_tile[:2]):
+            tile = self.linear_tile
+            qkv_bk = tile[3:4] if len(tile) == 4 and tile[3] is not None else ()
+            if len(tile) not in (3, 4) or not all(_pow2(v) for v in (*tile[:2], *qkv_bk)):
                 raise OptionError(
-                    f"KernelConfig.linear_tile is (BN, BK, warps) with BN and BK powers of two "
-                    f">= 16; got {self.linear_tile!r}."
+                    f"KernelConfig.linear_tile is (BN, BK, warps) or (BN, BK, warps, Q/K/V's "
+                    f"BK) with BN and the BKs powers of two >= 16; got {tile!r}."
                 )
-            if not _positive(self.linear_tile[2]):
-                raise OptionError(f"linear_tile's warps must be positive, got {self.linear_tile}.")
+            if not _positive(tile[2]):
+                raise OptionError(f"linear_tile's warps must be positive, got {tile}.")
         if (problem := decode_attention.tile_problem(self.attention_tile)) is not None:
             raise OptionError(f"KernelConfig.attention_tile: {problem}; {self.attention_tile!r}.")
         if self.linear_rows is not None and not (
@@ -344,6 +348,8 @@ class KernelConfig:
                     _env_value(v, field, "int", r) if r else d
                     for v, r, d in zip(names, raw, default, strict=True)
                 )
+                if field == "linear_tile" and kw[field][3] is None:  # Q/K/V's BK unset: BK
+                    kw[field] = kw[field][:3]
                 _checked("/".join(names), **{field: kw[field]})
         return cls(**kw)
 
@@ -400,7 +406,11 @@ ENV = {
 
 # variables of a tile -> (field, variables, defaults where one is unset)
 TILE_ENV = (
-    ("linear_tile", ("JAXSPEC_FUSED_BN", "JAXSPEC_FUSED_BK", "JAXSPEC_FUSED_WARPS"), (64, 128, 4)),
+    (
+        "linear_tile",
+        tuple(f"JAXSPEC_FUSED_{n}" for n in ("BN", "BK", "WARPS", "QKV_BK")),
+        (64, 128, 4, None),
+    ),
     (
         "attention_tile",
         tuple(f"JAXSPEC_ATTN_{n}" for n in ("BLOCK_K", "STAGES", "MIN_SPLIT", "WARPS")),

@@ -192,6 +192,63 @@ def test_dispatch():
             KernelConfig(fused_linear="pallas").resolve(m.config)
 
 
+def test_qkv_takes_its_own_k_split(monkeypatch):
+    """``linear_tile``'s fourth entry is the Q/K/V projection's BK: with (16, 16, 4, 32) the
+    fused attention kernel gets 2 Q/K/V partials (64 / 32) while the other projections keep 4
+    (64 / 16), and a prefill, a decode step and a 3-token verify give the plain path's float32
+    logits and caches. The entry is checked and read from ``JAXSPEC_FUSED_QKV_BK``."""
+    import jaxspec.model.transformer as model_module
+    from jaxspec.model.kv_cache import causal_block, init_cache
+
+    for bad in ((16, 16, 4, 24), (16, 16, 4, 8), (16, 16, 4, 32, 1)):
+        with pytest.raises(OptionError, match="linear_tile"):
+            KernelConfig(linear_tile=bad)
+    assert KernelConfig(linear_tile=(16, 16, 4, None)).linear_tile == (16, 16, 4, None)
+    env = KernelConfig.from_env({"JAXSPEC_FUSED_QKV_BK": "256"})
+    assert env.linear_tile == (64, 128, 4, 256)
+    assert KernelConfig.from_env({"JAXSPEC_FUSED_BN": "32"}).linear_tile == (32, 128, 4)
+    with pytest.raises(OptionError, match="JAXSPEC_FUSED"):
+        KernelConfig.from_env({"JAXSPEC_FUSED_QKV_BK": "100"})
+
+    m = tiny.model(4, **SHAPE, vocab_size=64)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 64, (1, 8)), jnp.int32)
+    steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
+
+    def run(kernels):
+        net = m.net(kernels)
+        cache, out = init_cache(m.config, 1, 32, jnp.float32), []
+        fwd = jax.jit(model_module.apply, static_argnums=0)
+        for toks, at, n in steps:
+            length = jnp.full((1,), at, jnp.int32)
+            cache.length = length
+            block = causal_block(length, length, jnp.asarray([n]), toks.shape[1])
+            logits, cache = fwd(net, m.flat, toks, cache, block)
+            out.append(np.asarray(logits))
+        return out + [np.asarray(x) for x in cache.k + cache.v]
+
+    plain = run(KernelConfig(fused_linear="off", fused_attention="off"))
+    parts, pending = [], []
+    real_attention, real_silu = rope_attention.rope_attention_splits, fl.silu_project
+    monkeypatch.setattr(
+        rope_attention,
+        "rope_attention_splits",
+        lambda qkv, *a, **k: parts.append(qkv.shape[0]) or real_attention(qkv, *a, **k),
+    )
+    monkeypatch.setattr(
+        fl, "silu_project", lambda g, *a, **k: pending.append(g.shape[0]) or real_silu(g, *a, **k)
+    )
+    _clear()
+    kernels = KernelConfig(
+        fused_linear="interpret", fused_attention="interpret", linear_tile=(16, 16, 4, 32),
+        linear_rows=16,
+    )  # fmt: skip
+    fused = run(kernels)
+    _clear()
+    assert set(parts) == {2} and set(pending) == {4}, (parts, pending)
+    for a, b in zip(fused, plain, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
 def _clear():
     """Forget compiled programs, so the spies below see the next run's traces."""
     from jaxspec.engines import programs

@@ -97,6 +97,20 @@ if [ "${1:-}" = verify ]; then
   done
   exit
 fi
+if [ "${1:-}" = qkv ]; then
+  # `bash benchmarks/gpu/small_step.sh qkv` (~3 min): the Q/K/V projection's own K split
+  # (KernelConfig.linear_tile's fourth entry, JAXSPEC_FUSED_QKV_BK): fewer Q/K/V partials for
+  # the fused attention kernel to sum in every program, fewer programs in the projection; the
+  # defaults first and last (the call's noise). Rows added to $OUT/small_step_probe.json.
+  for v in - 256 512 -; do
+    env=()
+    [ "$v" != - ] && env=(JAXSPEC_FUSED_QKV_BK="$v")
+    probe "qkv_bk${v}_c1024" 1024 "${env[@]}"
+  done
+  probe defaults_c4096 4096
+  probe qkv_bk256_c4096 4096 JAXSPEC_FUSED_QKV_BK=256
+  exit
+fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)
 probe plain_c1024 1024 "${plain[@]}"
 probe defaults_c1024 1024

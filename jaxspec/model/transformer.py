@@ -96,15 +96,18 @@ class DecoderLayer(nnx.Module):
         b, t = cos.shape[:2]
         attn, cfg = self.self_attn, self.self_attn.cfg
         wq, wk, wv, wo, wg, wu, wd = self.weights()
-        bn, bk, warps = kernels.linear_tile
+        bn, bk, warps, *qkv_bk = kernels.linear_tile
         tiles = dict(interpret=mode == "interpret", bn=bn, bk=bk, num_warps=warps)
+        # Q/K/V's own K split (KernelConfig.linear_tile's fourth entry): its partials are what
+        # the fused attention kernel sums in every program
+        qkv_tiles = {**tiles, "bk": qkv_bk[0]} if qkv_bk and qkv_bk[0] else tiles
         # one row: the norms and the attention's merge in the projection kernels; more (a
         # verify): once each in XLA, not in every program (fused_linear.norm_then_project)
         one_row = x.shape[0] == 1
         fl = fused_linear.norm_project if one_row else fused_linear.norm_then_project
-        fl = functools.partial(fl, **tiles)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, qkv = fl(x, pending, ln1.weight[...], (wq, wk, wv), eps=ln1.eps)
+        x, qkv = fl(x, pending, ln1.weight[...], (wq, wk, wv), eps=ln1.eps, **qkv_tiles)
+        fl = functools.partial(fl, **tiles)
         qkv = qkv.reshape(qkv.shape[0], b, t, -1, cfg.head_dim)
         out, k_cache, v_cache = attn.attend(
             qkv, cos, sin, k_cache, v_cache, length, block, kernels, splits=one_row
