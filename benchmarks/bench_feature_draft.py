@@ -11,9 +11,10 @@ Prompts: the first ``--prompts`` HumanEval prompts (OpenAI, MIT licence), raw: h
 drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat, Apache-2.0) in the
 chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
 ``distilled``: chain, gamma 4, the shipped small draft; ``feature``: chain, gamma 4, the feature
-draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 6, bs
-16); ``feature-chain6`` and ``feature-tree4`` (depth 4, bs 8: other drafts' default until
-9f90429) on request.
+draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 4, bs
+8; rows of runs before the default moved, named ``feature-tree4``, carry it too, and their
+``feature-tree`` rows the old default, depth 6 and bs 16: each row records its options);
+``feature-chain6`` and ``feature-tree6`` (depth 6, bs 16) on request.
 Each call is timed around ``generate`` as a user makes it (host work included); a call that
 compiled (a new prompt width) runs again and the second is timed. Every row's tokens are compared
 with autoregressive decoding's: in float32 they must all be equal (the script exits 1 otherwise).
@@ -55,9 +56,9 @@ CONFIGS = {  # name: (method, draft key, options)
     "autoregressive": ("autoregressive", None, {}),
     "distilled": ("chain", "distilled", {"gamma": 4}),
     "feature": ("chain", "feature", {"gamma": 4}),
-    "feature-tree": ("tree", "feature", {}),  # a feature draft's default: depth 6, bs 16
+    "feature-tree": ("tree", "feature", {}),  # a feature draft's default: depth 4, bs 8
     "feature-chain6": ("chain", "feature", {"gamma": 6}),
-    "feature-tree4": ("tree", "feature", {"depth": 4, "bs": 8}),
+    "feature-tree6": ("tree", "feature", {"depth": 6, "bs": 16}),
 }
 TREE_KEYS = ("depth", "width", "branch", "bs")
 DEFAULT = "autoregressive,distilled,feature,feature-tree"

@@ -157,10 +157,9 @@ RUNS = (  # (name, method, draft key, options)
     ("chain_draft", "chain", "draft", {"gamma": 4}),
     ("tree_draft", "tree", "draft", {}),
     ("tree_ngram", "tree", "ngram", {"depth": 8, "width": 1, "branch": 1}),
-    # --feature: the feature head's chain and its fastest tree in feature_draft.json's h100
-    # section (depth 4, bs 8: 1.93x autoregressive against 1.74x for its default depth 6, bs 16)
+    # --feature: the feature head's chain and its default tree (depth 4, bs 8: tree.FEATURE_SHAPE)
     ("chain_feature", "chain", "feature", {"gamma": 4}),
-    ("tree_feature", "tree", "feature", {"depth": 4, "bs": 8}),
+    ("tree_feature", "tree", "feature", {}),
 )
 
 

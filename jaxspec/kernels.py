@@ -84,7 +84,10 @@ DEFAULTS = {
         # 0.858 -> 0.663 ms, 341 -> 161 kernels (probe_small; 128 x 128: 0.731, 64 x 64: 1.007).
         # Layers of 1B and up keep the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
-        linear_tile=(64, 128, 4),
+        # Q/K/V's own BK 256 (3 partials for the fused attention kernel to sum, not 5): SmolLM2
+        # step 0.629 -> 0.614 ms at 1K, 0.670 -> 0.649 at 4K (attention 206 -> 160 us, the
+        # Q/K/V projection 99 -> 124; BK 512 spills: 0.985). One H100, results/qkv_split.json
+        linear_tile=(64, 128, 4, 256),
         # ...for one-row steps only: a 5- / 16-token verify through them 0.978 / 0.978 ms, through
         # XLA's GEMMs 0.803 / 0.871 (one H100, verify_probe.json)
         linear_rows=1,
@@ -348,8 +351,6 @@ class KernelConfig:
                     _env_value(v, field, "int", r) if r else d
                     for v, r, d in zip(names, raw, default, strict=True)
                 )
-                if field == "linear_tile" and kw[field][3] is None:  # Q/K/V's BK unset: BK
-                    kw[field] = kw[field][:3]
                 _checked("/".join(names), **{field: kw[field]})
         return cls(**kw)
 
@@ -409,7 +410,7 @@ TILE_ENV = (
     (
         "linear_tile",
         tuple(f"JAXSPEC_FUSED_{n}" for n in ("BN", "BK", "WARPS", "QKV_BK")),
-        (64, 128, 4, None),
+        (64, 128, 4, 256),  # the GPU's default
     ),
     (
         "attention_tile",

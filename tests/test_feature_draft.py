@@ -247,11 +247,12 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
         assert got["zero"] == 1.0 and 1.0 < got["some"] < got["full"], got
 
 
-def test_a_feature_drafts_tree_is_deeper_and_wider_where_its_shape_is_left_open():
-    """Depth and bs left open: a feature head's tree takes ``FEATURE_SHAPE`` (6 and 16), any
+def test_a_feature_drafts_tree_is_deeper_where_its_shape_is_left_open():
+    """Depth and bs left open: a feature head's tree takes ``FEATURE_SHAPE`` (4 and 8), any
     other draft 3 and 8; given values win for both."""
     open_ = tree.Options()
     assert open_.shape_for(feature=True) == tree.TreeShape(**tree.FEATURE_SHAPE)
+    assert open_.shape_for(feature=True) == tree.TreeShape(4, 8, 4, 8)
     assert open_.shape == open_.shape_for(feature=False) == tree.TreeShape(3, 8, 4, 8)
     given = tree.Options(depth=2, bs=5)
     assert given.shape_for(feature=True) == given.shape == tree.TreeShape(2, 8, 4, 5)
@@ -260,7 +261,7 @@ def test_a_feature_drafts_tree_is_deeper_and_wider_where_its_shape_is_left_open(
     target = tiny.model(0)
     r = generate(target, tiny.prompts(0, lengths=(5,)), draft=heads(target, 0), method="tree",
                  max_new_tokens=4, width=2, branch=2)  # fmt: skip
-    assert (r.stats["depth"], r.stats["bs"]) == (6, 16)
+    assert (r.stats["depth"], r.stats["bs"]) == (4, 8)
 
 
 def test_swiftspec_refuses_a_feature_draft_and_sparse_caches_are_refused():

@@ -130,7 +130,7 @@ def test_unsupported_shapes():
             KernelConfig(linear_tile=bad)
     with pytest.raises(OptionError, match="JAXSPEC_FUSED"):
         KernelConfig.from_env({"JAXSPEC_FUSED_BN": "48"})
-    assert KernelConfig.from_env({"JAXSPEC_FUSED_BK": "64"}).linear_tile == (64, 64, 4)
+    assert KernelConfig.from_env({"JAXSPEC_FUSED_BK": "64"}).linear_tile == (64, 64, 4, 256)
     # SmolLM2-135M's layer takes them; Llama-3.2-1B's would re-read 512 KiB of partials a program
     assert fl.layer_problem(576, 576, 1536, bk=128) is None
     assert "524288 bytes of down" in fl.layer_problem(2048, 2048, 8192, bk=128)
@@ -178,7 +178,7 @@ def test_dispatch():
     auto = KernelConfig().resolve(m.config)
     assert layer.fused_mode(rows, auto) == ("pallas" if on_gpu else None)  # auto: GPU only
     on = KernelConfig(fused_linear="interpret").resolve(m.config)
-    assert on.linear_tile == (64, 128, 4)  # the measured tiling unless one is given
+    assert on.linear_tile == (64, 128, 4, 256)  # the measured tiling unless one is given
     assert layer.fused_mode(rows, on) == "interpret"
     assert layer.fused_mode(jnp.zeros((fl.MAX_ROWS + 1, 64)), on) is None  # prefill-sized
     sharded = KernelConfig(fused_linear="interpret").resolve(m.config, sharded=True)
@@ -206,7 +206,7 @@ def test_qkv_takes_its_own_k_split(monkeypatch):
     assert KernelConfig(linear_tile=(16, 16, 4, None)).linear_tile == (16, 16, 4, None)
     env = KernelConfig.from_env({"JAXSPEC_FUSED_QKV_BK": "256"})
     assert env.linear_tile == (64, 128, 4, 256)
-    assert KernelConfig.from_env({"JAXSPEC_FUSED_BN": "32"}).linear_tile == (32, 128, 4)
+    assert KernelConfig.from_env({"JAXSPEC_FUSED_BN": "32"}).linear_tile == (32, 128, 4, 256)
     with pytest.raises(OptionError, match="JAXSPEC_FUSED"):
         KernelConfig.from_env({"JAXSPEC_FUSED_QKV_BK": "100"})
 

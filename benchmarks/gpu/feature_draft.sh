@@ -13,5 +13,5 @@ mkdir -p "$OUT"
 bench feature_draft 300 $PY benchmarks/bench_feature_draft.py \
   --feature "${FEATURE_DIR:-checkpoints/drafts/smollm2-135m-instruct-feature}" \
   --sets "${1:-humaneval}" \
-  --configs "${2:-autoregressive,distilled,feature,feature-tree,feature-chain6,feature-tree4}" \
+  --configs "${2:-autoregressive,distilled,feature,feature-tree,feature-chain6,feature-tree6}" \
   --budget-s 260 --out "$OUT/feature_draft.json"

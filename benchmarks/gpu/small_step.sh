@@ -8,11 +8,12 @@
 set -u
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
+FILE=small_step_probe.json
 probe() {  # SETTING CONTEXT [VAR=VALUE...]
   local setting=$1 context=$2
   shift 2
   bench small_step_probe 150 env "$@" python3 benchmarks/probe_small.py --label "$setting" \
-    --batch 1 --context "$context" --steps 32 --out "$OUT"
+    --batch 1 --context "$context" --steps 32 --out "$OUT" --file "$FILE"
 }
 if [ "${1:-}" = attention ]; then
   # `bash benchmarks/gpu/small_step.sh attention` (~5 min): the fused attention kernel's prefix
@@ -101,14 +102,14 @@ if [ "${1:-}" = qkv ]; then
   # `bash benchmarks/gpu/small_step.sh qkv` (~3 min): the Q/K/V projection's own K split
   # (KernelConfig.linear_tile's fourth entry, JAXSPEC_FUSED_QKV_BK): fewer Q/K/V partials for
   # the fused attention kernel to sum in every program, fewer programs in the projection; the
-  # defaults first and last (the call's noise). Rows added to $OUT/small_step_probe.json.
-  for v in - 256 512 -; do
-    env=()
-    [ "$v" != - ] && env=(JAXSPEC_FUSED_QKV_BK="$v")
-    probe "qkv_bk${v}_c1024" 1024 "${env[@]}"
+  # common BK first and last (the call's noise). Writes $OUT/qkv_split.json (its rows, with the
+  # attention's and the projections' microseconds summed from each row's kernels, are
+  # results/qkv_split.json).
+  FILE=qkv_split.json
+  for v in 128 256 512 128; do  # 128: the projections' common BK
+    probe "qkv_bk${v}_c1024" 1024 JAXSPEC_FUSED_QKV_BK="$v"
   done
-  probe defaults_c4096 4096
-  probe qkv_bk256_c4096 4096 JAXSPEC_FUSED_QKV_BK=256
+  for v in 128 256; do probe "qkv_bk${v}_c4096" 4096 JAXSPEC_FUSED_QKV_BK="$v"; done
   exit
 fi
 plain=(JAXSPEC_FUSED_LINEAR=off JAXSPEC_FUSED_ATTENTION=off JAXSPEC_ROW_PADDING=gemm)

@@ -60,16 +60,17 @@ class TreeShape:
         return 1 + self.depth * self.width * self.branch
 
 
-# A feature draft's trees, where depth and bs are left open: deeper and wider than a model
-# draft's. Its head drafts a token for one decoder layer and the LM head and keeps accepting
-# deeper; in one H200 run (benchmarks/results/feature_draft.json, bf16, 8 held-out HumanEval
-# prompts, the first shipped head) a tree of depth 6 and bs 16 accepted 4.66 tokens a
-# verification at 1.48x autoregressive against 3.83 at 1.46x for depth 4 and bs 8 (EAGLE-2 grows
-# 5-6 deep). With the fused-reads head (one H100, 10 prompts, 2026-12-07) depth 4 and bs 8 ran
-# faster (4.10 at 1.93x against 5.28 at 1.74x), and in small_model.json (one H100, 54bf7da,
-# one 1K prompt) 2948 tok/s against 2561 for depth 6 / bs 15: two runs on another GPU against
-# the tie above, so the default waits for an H200 run of this head (`depth=4, bs=8`).
-FEATURE_SHAPE = {"depth": 6, "bs": 16}
+# A feature draft's trees, where depth and bs are left open: one expansion deeper than a model
+# draft's (its head drafts a token for one decoder layer and the LM head, and keeps accepting
+# deeper). Depth 4 and bs 8, from every GPU run of the shipped heads, public generate() wall, B=1,
+# 128 new tokens: the stage-4 head (one H100, baab0d3, benchmarks/results/feature_draft.json's h100
+# section) 3111 tok/s, 1.99x autoregressive, on 11 held-out HumanEval prompts against 2870 (1.84x)
+# for depth 6 / bs 16, and 2004 (1.24x) on 10 chat prompts against 1848 (1.15x); the fused-reads
+# head (another H100) 1.93x against 1.74x, and 2948 against 2561 tok/s (small_model.json, 54bf7da,
+# depth 6 / bs 15). Deeper trees accept more (5.27 tokens a verification against 4.10 on
+# HumanEval) but their 17-row verify and two more head steps cost more than that. The one H200
+# run (the first shipped head, 2026-12-03) was a tie: 1.48x for depth 6 / bs 16, 1.46x for 4 / 8.
+FEATURE_SHAPE = {"depth": 4, "bs": 8}
 
 
 @dataclasses.dataclass(frozen=True)
