@@ -238,10 +238,10 @@ def test_qkv_takes_its_own_k_split(monkeypatch):
         fl, "silu_project", lambda g, *a, **k: pending.append(g.shape[0]) or real_silu(g, *a, **k)
     )
     _clear()
+    mode = "interpret" if INTERPRET else "pallas"  # on a GPU: the compiled kernels
     kernels = KernelConfig(
-        fused_linear="interpret", fused_attention="interpret", linear_tile=(16, 16, 4, 32),
-        linear_rows=16,
-    )  # fmt: skip
+        fused_linear=mode, fused_attention=mode, linear_tile=(16, 16, 4, 32), linear_rows=16
+    )
     fused = run(kernels)
     _clear()
     assert set(parts) == {2} and set(pending) == {4}, (parts, pending)
