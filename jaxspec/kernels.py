@@ -81,12 +81,11 @@ DEFAULTS = {
         # 121 of its 491 kernels gone (benchmarks/results/small_step_probe.json)
         fused_attention="pallas",
         # split-K projection kernels, BN 64 x BK 128 x 4 warps: SmolLM2-shape step, B=1, 1K,
-        # 0.858 -> 0.663 ms, 341 -> 161 kernels (probe_small; 128 x 128: 0.731, 64 x 64: 1.007).
-        # Layers of 1B and up keep the plain path (fused_linear.layer_problem)
+        # 0.858 -> 0.663 ms, 341 -> 161 kernels (probe_small; 128 x 128: 0.731, 64 x 64: 1.007);
+        # Q/K/V's BK 256 (3 partials for the attention kernel to sum, not 5): 0.6-2.4% off the
+        # step at 1K, 2.0-3.1% at 4K, two H100 calls (qkv_split.json). Layers of 1B and up keep
+        # the plain path (fused_linear.layer_problem)
         fused_linear="pallas",
-        # Q/K/V's own BK 256 (3 partials for the fused attention kernel to sum, not 5): SmolLM2
-        # step 0.629 -> 0.614 ms at 1K, 0.670 -> 0.649 at 4K (attention 206 -> 160 us, the
-        # Q/K/V projection 99 -> 124; BK 512 spills: 0.985). One H100, results/qkv_split.json
         linear_tile=(64, 128, 4, 256),
         # ...for one-row steps only: a 5- / 16-token verify through them 0.978 / 0.978 ms, through
         # XLA's GEMMs 0.803 / 0.871 (one H100, verify_probe.json)
@@ -150,9 +149,8 @@ class KernelConfig:
                      heuristics, ``pallas_kernels.decode_attention.plan``).
     fused_attention: the RoPE + cache write + attention kernel for decode and verify blocks.
     fused_linear:    the split-K projection kernels for steps of at most 16 rows.
-    linear_tile:     (BN, BK, warps) of those kernels, and optionally a fourth entry: the
-                     Q/K/V projection's own BK (None: BK). Its K splits are the partials the
-                     fused attention kernel sums as it loads its heads.
+    linear_tile:     (BN, BK, warps) of those kernels, and optionally the Q/K/V projection's
+                     own BK (None: BK): the partials the fused attention kernel sums.
     linear_rows:     the most rows (batch x tokens) of a step those kernels take (at most 16).
     fused_commit:    one kernel moving a verify's committed K/V rows in every cache.
     quant_matmul:    quantized projections of steps of at most 16 rows: "pallas" (dequantized in
@@ -213,10 +211,9 @@ class KernelConfig:
                     f"KernelConfig.{name} must be one of {', '.join(choices)}; got "
                     f"{getattr(self, name)!r}."
                 )
-        if self.linear_tile is not None:
-            tile = self.linear_tile
-            qkv_bk = tile[3:4] if len(tile) == 4 and tile[3] is not None else ()
-            if len(tile) not in (3, 4) or not all(_pow2(v) for v in (*tile[:2], *qkv_bk)):
+        if (tile := self.linear_tile) is not None:
+            pow2 = (*tile[:2], *(v for v in tile[3:4] if v is not None))
+            if len(tile) not in (3, 4) or not all(_pow2(v) for v in pow2):
                 raise OptionError(
                     f"KernelConfig.linear_tile is (BN, BK, warps) or (BN, BK, warps, Q/K/V's "
                     f"BK) with BN and the BKs powers of two >= 16; got {tile!r}."
@@ -347,6 +344,7 @@ class KernelConfig:
         for field, names, default in TILE_ENV:
             raw = [env.get(v, "").strip() for v in names]
             if any(raw):
+                default = default or DEFAULTS["gpu"][field]
                 kw[field] = tuple(
                     _env_value(v, field, "int", r) if r else d
                     for v, r, d in zip(names, raw, default, strict=True)
@@ -407,11 +405,7 @@ ENV = {
 
 # variables of a tile -> (field, variables, defaults where one is unset)
 TILE_ENV = (
-    (
-        "linear_tile",
-        tuple(f"JAXSPEC_FUSED_{n}" for n in ("BN", "BK", "WARPS", "QKV_BK")),
-        (64, 128, 4, 256),  # the GPU's default
-    ),
+    ("linear_tile", tuple(f"JAXSPEC_FUSED_{n}" for n in ("BN", "BK", "WARPS", "QKV_BK")), None),
     (
         "attention_tile",
         tuple(f"JAXSPEC_ATTN_{n}" for n in ("BLOCK_K", "STAGES", "MIN_SPLIT", "WARPS")),

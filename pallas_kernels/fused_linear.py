@@ -33,9 +33,8 @@ partials: cheap for a small model (SmolLM2: 27 KiB from L2 a program), not for a
 (``layer_problem``: the model takes the plain path there).
 
 The tiling (``bn``, ``bk``, ``num_warps``) is each call's static argument; the model takes it from
-its ``KernelConfig.linear_tile`` (GPU default 64 x 128 x 4: the fastest of six tilings measured
-on an H200, SmolLM2-shape step 0.858 -> 0.663 ms), whose fourth entry is the Q/K/V projection's
-own ``bk`` (256 on a GPU: fewer partials for the attention kernel to sum; results/qkv_split.json).
+its ``KernelConfig.linear_tile`` (GPU default 64 x 128 x 4, the fastest of six tilings on an
+H200, and Q/K/V's own ``bk`` 256: fewer partials for the attention kernel; results/qkv_split.json).
 
 Contract: rows ``[M, K]`` (``M = batch * tokens``, at most ``MAX_ROWS``), weights ``[K, N]`` as the
 model stores them (``y = x @ w``), partials ``[S, M, sum N]`` float32 with ``S = ceil(K / BK)``,
