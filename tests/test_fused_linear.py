@@ -21,6 +21,7 @@ from jaxspec.kernels import KernelConfig
 from pallas_kernels import fused_linear as fl
 from pallas_kernels import rope_attention
 from tests import tiny
+from tests.test_rope_attention import model_steps
 
 INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -197,9 +198,6 @@ def test_qkv_takes_its_own_k_split(monkeypatch):
     fused attention kernel gets 2 Q/K/V partials (64 / 32) while the other projections keep 4
     (64 / 16), and a prefill, a decode step and a 3-token verify give the plain path's float32
     logits and caches. The entry is checked and read from ``JAXSPEC_FUSED_QKV_BK``."""
-    import jaxspec.model.transformer as model_module
-    from jaxspec.model.kv_cache import causal_block, init_cache
-
     for bad in ((16, 16, 4, 24), (16, 16, 4, 8), (16, 16, 4, 32, 1)):
         with pytest.raises(OptionError, match="linear_tile"):
             KernelConfig(linear_tile=bad)
@@ -211,20 +209,7 @@ def test_qkv_takes_its_own_k_split(monkeypatch):
         KernelConfig.from_env({"JAXSPEC_FUSED_QKV_BK": "100"})
 
     m = tiny.model(4, **SHAPE, vocab_size=64)
-    ids = jnp.asarray(np.random.default_rng(4).integers(0, 64, (1, 8)), jnp.int32)
-    steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
-
-    def run(kernels):
-        net = m.net(kernels)
-        cache, out = init_cache(m.config, 1, 32, jnp.float32), []
-        fwd = jax.jit(model_module.apply, static_argnums=0)
-        for toks, at, n in steps:
-            length = jnp.full((1,), at, jnp.int32)
-            cache.length = length
-            block = causal_block(length, length, jnp.asarray([n]), toks.shape[1])
-            logits, cache = fwd(net, m.flat, toks, cache, block)
-            out.append(np.asarray(logits))
-        return out + [np.asarray(x) for x in cache.k + cache.v]
+    run = functools.partial(model_steps, m, rows=1)
 
     plain = run(KernelConfig(fused_linear="off", fused_attention="off"))
     parts, pending = [], []

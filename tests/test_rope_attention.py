@@ -8,6 +8,8 @@ the new keys it holds) or reads past the prefix fails.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,36 +253,41 @@ def test_model_logits_with_the_fused_kernel(monkeypatch, padding):
     compared by their float32 logits and caches: a prefill, a decode step, a 3-token verify.
     With the residual stream padded to 8 rows too (the GPU's setting), where the kernel takes
     the real rows of the padded projections."""
-    import jaxspec.model.transformer as model_module
     from jaxspec.kernels import KernelConfig
-    from jaxspec.model.kv_cache import init_cache
 
     m = tiny_model(4, SHAPE)
-    rng = np.random.default_rng(4)
-    ids = jnp.asarray(rng.integers(0, 64, (2, 8)), jnp.int32)
-    steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
+    run = functools.partial(model_steps, m, rows=2)
 
-    def run(kernels):
-        net = m.net(kernels)
-        cache, out = init_cache(m.config, 2, 32, jnp.float32), []
-        fwd = jax.jit(model_module.apply, static_argnums=0)
-        for toks, at, n in steps:
-            length = jnp.full((2,), at, jnp.int32)
-            cache.length = length
-            block = causal_block(length, length, jnp.asarray([n, max(n - 1, 1)]), toks.shape[1])
-            logits, cache = fwd(net, m.flat, toks, cache, block)
-            out.append(np.asarray(logits))
-        return out, [np.asarray(x) for x in cache.k + cache.v]
-
-    plain_logits, plain_cache = run(KernelConfig(fused_attention="off"))
+    plain = run(KernelConfig(fused_attention="off"))
     calls = []
     real = R.rope_attention
     monkeypatch.setattr(R, "rope_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     retrace()
-    fused_logits, fused_cache = run(KernelConfig(**FUSED, row_padding=padding))
+    fused = run(KernelConfig(**FUSED, row_padding=padding))
     assert calls, "the fused kernel took the decode and verify steps"
-    for a, b in zip(fused_logits + fused_cache, plain_logits + plain_cache, strict=True):
+    for a, b in zip(fused, plain, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def model_steps(m, kernels, rows: int) -> list[np.ndarray]:
+    """The float32 logits of a prefill of 8 random tokens, a decode step and a 3-token verify
+    (the later rows one token fewer) over ``rows`` batch rows, then the caches they wrote."""
+    import jaxspec.model.transformer as model_module
+    from jaxspec.model.kv_cache import init_cache
+
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 64, (rows, 8)), jnp.int32)
+    steps = [(ids, 0, 8), (ids[:, :1], 8, 1), (ids[:, 2:5], 9, 3)]  # (tokens, length, valid)
+    net = m.net(kernels)
+    cache, out = init_cache(m.config, rows, 32, jnp.float32), []
+    fwd = jax.jit(model_module.apply, static_argnums=0)
+    for toks, at, n in steps:
+        length = jnp.full((rows,), at, jnp.int32)
+        cache.length = length
+        valid = jnp.asarray([n] + [max(n - 1, 1)] * (rows - 1))
+        block = causal_block(length, length, valid, toks.shape[1])
+        logits, cache = fwd(net, m.flat, toks, cache, block)
+        out.append(np.asarray(logits))
+    return out + [np.asarray(x) for x in cache.k + cache.v]
 
 
 def tiny_model(seed, changes):
