@@ -107,11 +107,10 @@ if [ "${1:-}" = qkv ]; then
   # results/qkv_split.json).
   FILE=qkv_split.json
   # the kernels compiled on this GPU first: the projections' and the fused attention kernel's
-  # tests (the Q/K/V split's own among them; not the one that needs two devices), in the same
-  # call as their timing
+  # tests (the Q/K/V split's own among them; the one that needs two devices skips itself on
+  # one GPU), in the same call as their timing
   bench qkv_split_tests 300 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
-    -m "not slow" tests/test_fused_linear.py tests/test_rope_attention.py \
-    --deselect tests/test_fused_linear.py::test_sharded_weights_trace_without_the_kernels
+    -m "not slow" tests/test_fused_linear.py tests/test_rope_attention.py
   for v in 128 256 512 128; do  # 128: the projections' common BK
     probe "qkv_bk${v}_c1024" 1024 JAXSPEC_FUSED_QKV_BK="$v"
   done
