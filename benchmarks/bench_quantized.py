@@ -87,11 +87,19 @@ TILES = (
     (256, 128, None, 4, 3),
 )
 # (bk, stages, K splits, channels a warpgroup) of quant_wgmma (the Mosaic GPU kernel; None: its
-# defaults), per bits; its weights with bf16 scales, as `convert --quantize` stores them for bf16
+# defaults), per bits; its weights with bf16 scales, as `convert --quantize` stores them for bf16.
+# The H200 moves more bytes than the H100 with as many SMs, so more stages (bytes in flight a
+# program) and fewer K splits (fewer pipeline fills) sit beside the H100's winners.
 WGMMA_TILES = {
-    8: ((None, None, None, None), (256, 3, None, 64), (256, 2, None, 128), (512, 2, None, 64)),
-    4: ((None, None, None, None), (128, 4, None, 64), (128, 4, None, 128), (128, 2, None, 128)),
-}
+    8: (
+        (None, None, None, None), (256, 3, None, 64), (256, 2, None, 128), (512, 2, None, 64),
+        (256, 4, None, 64), (256, 3, None, 128), (256, 2, 2, 64),
+    ),
+    4: (
+        (None, None, None, None), (128, 4, None, 64), (128, 4, None, 128), (128, 2, None, 128),
+        (128, 5, None, 128), (128, 3, 2, 128),
+    ),
+}  # fmt: skip
 COPIES = 4  # distinct weights a timed loop cycles through: 4 x 29 MB of int4 codes outgrow L2
 SWEEP_SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # (K, N), 8B's MLP
 XLA = "+xla"  # a step case's suffix: its projections through KernelConfig(quant_matmul="xla")
