@@ -14,7 +14,8 @@ chat template (in both drafts' training data). Rows (``--configs``): ``autoregre
 draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 4, bs
 8; rows of runs before the default moved, named ``feature-tree4``, carry it too, and their
 ``feature-tree`` rows the old default, depth 6 and bs 16: each row records its options);
-``feature-chain6`` and ``feature-tree6`` (depth 6, bs 16) on request.
+``feature-chain6`` and ``feature-tree6`` (depth 6, bs 16) on request, and ``feature-tree-DxBS``
+for any other depth D and bs BS.
 Each call is timed around ``generate`` as a user makes it (host work included); a call that
 compiled (a new prompt width) runs again and the second is timed. Every row's tokens are compared
 with autoregressive decoding's: in float32 they must all be equal (the script exits 1 otherwise).
@@ -34,6 +35,7 @@ import argparse
 import functools
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -61,6 +63,20 @@ CONFIGS = {  # name: (method, draft key, options)
     "feature-tree6": ("tree", "feature", {"depth": 6, "bs": 16}),
 }
 TREE_KEYS = ("depth", "width", "branch", "bs")
+SHAPED = re.compile(r"feature-tree-(\d+)x(\d+)")  # feature-tree-DxBS: a tree of that depth, bs
+
+
+def config(name: str) -> tuple:
+    """``(method, draft key, options)`` of a row: a ``CONFIGS`` name, or ``feature-tree-DxBS``
+    (the feature draft's tree at depth D and bs BS, the other tree options the engine's)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    shaped = SHAPED.fullmatch(name)
+    if shaped is None:
+        raise KeyError(name)
+    return "tree", "feature", {"depth": int(shaped[1]), "bs": int(shaped[2])}
+
+
 DEFAULT = "autoregressive,distilled,feature,feature-tree"
 
 
@@ -93,7 +109,7 @@ def run_of(i: int, ids, r, wall: float, ref) -> dict:
 def row_of(name: str, runs: list[dict]) -> dict:
     """A config's row over its prompts: pooled acceptance = tokens the verifications produced
     over the verifications (the prefill's first token apart), tokens/s over the summed wall."""
-    method, _, opts = CONFIGS[name]
+    method, _, opts = config(name)
     new = sum(r["new_tokens"] for r in runs)
     wall = sum(r["wall_s"] for r in runs)
     verifies = sum(r["target_steps"] - 1 for r in runs)
@@ -154,7 +170,7 @@ def run_set(target, drafts, name, args, deadline, write) -> dict:
             break
         ref = None
         for c in names:
-            method, key, opts = CONFIGS[c]
+            method, key, opts = config(c)
             r, wall = timed_call(target, p, drafts.get(key), method, opts, args.new)
             ref = r.tokens[0] if method == "autoregressive" else ref
             runs[c].append(run_of(i, p, r, wall, ref))
@@ -173,7 +189,7 @@ def run_set(target, drafts, name, args, deadline, write) -> dict:
 def load_drafts(target, args) -> dict:
     """The drafts the rows use: ``distilled`` (``--small``) and ``feature`` (``--feature``: a
     folder, or ``random`` for an untrained head)."""
-    keys = {CONFIGS[c][1] for c in args.configs.split(",")} - {None}
+    keys = {config(c)[1] for c in args.configs.split(",")} - {None}
     drafts = {}
     if "distilled" in keys:
         drafts["distilled"] = load_draft(args.small, target)
@@ -214,7 +230,9 @@ def parse(argv):
     ap.add_argument("--model", default=None, help="target checkpoint (default: SmolLM2)")
     ap.add_argument("--small", default=str(SHIPPED), help="the small draft's folder")
     ap.add_argument("--sets", default="humaneval", help="humaneval, chat (comma-separated)")
-    ap.add_argument("--configs", default=DEFAULT, help=f"rows, of: {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs", default=DEFAULT, help=f"rows, of: {', '.join(CONFIGS)}, feature-tree-DxBS"
+    )
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--device-tag", default=None, help="section name (default: cpu / h200 / ...)")
@@ -223,8 +241,12 @@ def parse(argv):
     ap.add_argument("--out", default=str(RESULTS / "feature_draft.json"))
     args = ap.parse_args(argv)
     names = args.configs.split(",")
-    if names[0] != "autoregressive" or any(c not in CONFIGS for c in names):
-        ap.error(f"--configs starts with autoregressive and takes {', '.join(CONFIGS)}")
+    known = all(c in CONFIGS or SHAPED.fullmatch(c) for c in names)
+    if names[0] != "autoregressive" or not known:
+        ap.error(
+            f"--configs starts with autoregressive and takes {', '.join(CONFIGS)} or "
+            "feature-tree-DxBS (depth D, bs BS)"
+        )
     return args
 
 

@@ -61,6 +61,17 @@ def test_a_missing_feature_draft_says_how_to_train_one(tmp_path):
         B.parse(["--configs", "feature"])
 
 
+def test_a_shaped_tree_row_names_its_depth_and_bs():
+    assert B.config("feature-tree-5x15") == ("tree", "feature", {"depth": 5, "bs": 15})
+    assert B.config("feature") == B.CONFIGS["feature"]
+    B.parse(["--configs", "autoregressive,feature-tree-5x15"])
+    for bad in ("feature-tree-5", "feature-tree-5x15x2", "feature-tree-ax3"):
+        with pytest.raises(KeyError):
+            B.config(bad)
+        with pytest.raises(SystemExit):
+            B.parse(["--configs", f"autoregressive,{bad}"])
+
+
 @pytest.mark.slow
 def test_bench_runs_on_a_tiny_target(tmp_path, capsys):
     src = tmp_path / "hf"
