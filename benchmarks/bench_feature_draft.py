@@ -48,9 +48,11 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.common import RESULTS, default_target, device_tag, metadata  # noqa: E402
 from jaxspec.api import generate  # noqa: E402
+from jaxspec.cli.parser import draft_vocab  # noqa: E402
 from jaxspec.io import datasets  # noqa: E402
 from jaxspec.io.draft_checkpoint import SHIPPED, load_draft  # noqa: E402
 from jaxspec.model.feature_head import random_head  # noqa: E402
+from jaxspec.model.vocab_head import vocab_size_of  # noqa: E402
 from jaxspec.prompts import encode_prompts  # noqa: E402
 
 FEATURE = ROOT / "checkpoints" / "drafts" / "smollm2-135m-instruct-feature"
@@ -192,7 +194,7 @@ def load_drafts(target, args) -> dict:
     keys = {config(c)[1] for c in args.configs.split(",")} - {None}
     drafts = {}
     if "distilled" in keys:
-        drafts["distilled"] = load_draft(args.small, target)
+        drafts["distilled"] = load_draft(args.small, target, vocab=args.draft_vocab)
     if "feature" in keys and args.feature == "random":
         drafts["feature"] = random_head(target)
     elif "feature" in keys:
@@ -202,7 +204,7 @@ def load_drafts(target, args) -> dict:
                 "feature --out RUN` (checkpoints/README.md) and pass --feature RUN, or pass "
                 "--feature random for a smoke run"
             )
-        drafts["feature"] = load_draft(args.feature, target)
+        drafts["feature"] = load_draft(args.feature, target, vocab=args.draft_vocab)
     return drafts
 
 
@@ -233,6 +235,10 @@ def parse(argv):
     ap.add_argument(
         "--configs", default=DEFAULT, help=f"rows, of: {', '.join(CONFIGS)}, feature-tree-DxBS"
     )
+    ap.add_argument(
+        "--draft-vocab", type=draft_vocab, default="default", metavar="N|default|full",
+        help="the drafts' heads: load_draft's vocab (jaxspec.model.vocab_head)",
+    )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--device-tag", default=None, help="section name (default: cpu / h200 / ...)")
@@ -270,6 +276,7 @@ def main(argv=None) -> int:
         "greedy": True,
         "timing": "wall of the whole public generate() call, compile excluded",
         "drafts": {k: draft_info(args.small if k == "distilled" else args.feature) for k in drafts},
+        "draft_vocab": {k: vocab_size_of(d) or "full" for k, d in drafts.items()},
     }
     section.setdefault("sets", {})
 
