@@ -102,9 +102,9 @@ def trained(target, out: pathlib.Path, options: dict, data_from: pathlib.Path | 
 
 
 def acceptance(target, head, ids, width, args) -> dict:
-    """Pooled acceptance of ``head`` in a chain and a tree of depth 4, bs 8 (the shape of the
-    committed results, and a feature draft's default tree, ``tree.FEATURE_SHAPE``); outputs
-    equal to autoregressive decoding's."""
+    """Pooled acceptance of ``head`` in a chain and a tree of depth 4, bs 8 (``TREE``: the shape
+    of the committed results, and a feature draft's default tree on a GPU,
+    ``tree.FEATURE_SHAPE``); outputs equal to autoregressive decoding's."""
     out, same = {}, 0
     for i, p in enumerate(ids):
         ar, _ = run_one(target, "autoregressive", None, p, width, args.new, {})

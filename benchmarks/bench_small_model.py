@@ -157,7 +157,7 @@ RUNS = (  # (name, method, draft key, options)
     ("chain_draft", "chain", "draft", {"gamma": 4}),
     ("tree_draft", "tree", "draft", {}),
     ("tree_ngram", "tree", "ngram", {"depth": 8, "width": 1, "branch": 1}),
-    # --feature: the feature head's chain and its default tree (depth 4, bs 8: tree.FEATURE_SHAPE)
+    # --feature: the feature head's chain and its default tree (tree.FEATURE_SHAPE: the GPU's)
     ("chain_feature", "chain", "feature", {"gamma": 4}),
     ("tree_feature", "tree", "feature", {}),
 )

@@ -227,7 +227,7 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
     """With a bigram target: the copy head accepts every draft (acceptance gamma + 1, or the
     tree's depth + 1), the negated one none (1.0), a noisy one some; always the same tokens."""
     full = {"chain": opts.get("gamma", 4) + 1, "magicdec": opts.get("gamma", 0) + 1}
-    full["tree"] = opts.get("depth", tree.FEATURE_SHAPE["depth"]) + 1
+    full["tree"] = opts.get("depth", tree.feature_shape()["depth"]) + 1
     if opts.get("shape") == "tree":
         full["magicdec"] = opts["depth"] + 1
     for seed in range(3):
@@ -248,11 +248,16 @@ def test_greedy_full_partial_and_zero_acceptance(method, opts):
 
 
 def test_a_feature_drafts_tree_is_deeper_where_its_shape_is_left_open():
-    """Depth and bs left open: a feature head's tree takes ``FEATURE_SHAPE`` (4 and 8), any
-    other draft 3 and 8; given values win for both."""
+    """Depth and bs left open: a feature head's tree takes its backend's ``FEATURE_SHAPE`` (4
+    and 8 on a GPU, 5 and 11 on a CPU, a GPU's elsewhere), any other draft 3 and 8 everywhere;
+    given values win for both."""
     open_ = tree.Options()
-    assert open_.shape_for(feature=True) == tree.TreeShape(**tree.FEATURE_SHAPE)
-    assert open_.shape_for(feature=True) == tree.TreeShape(4, 8, 4, 8)
+    assert open_.shape_for(feature=True, backend="gpu") == tree.TreeShape(4, 8, 4, 8)
+    assert open_.shape_for(feature=True, backend="cpu") == tree.TreeShape(5, 8, 4, 11)
+    assert open_.shape_for(feature=True, backend="tpu") == tree.TreeShape(4, 8, 4, 8)
+    assert open_.shape_for(feature=True) == tree.TreeShape(**tree.feature_shape())
+    for backend in ("gpu", "cpu"):
+        assert open_.shape_for(feature=False, backend=backend) == tree.TreeShape(3, 8, 4, 8)
     assert open_.shape == open_.shape_for(feature=False) == tree.TreeShape(3, 8, 4, 8)
     given = tree.Options(depth=2, bs=5)
     assert given.shape_for(feature=True) == given.shape == tree.TreeShape(2, 8, 4, 5)
@@ -261,7 +266,7 @@ def test_a_feature_drafts_tree_is_deeper_where_its_shape_is_left_open():
     target = tiny.model(0)
     r = generate(target, tiny.prompts(0, lengths=(5,)), draft=heads(target, 0), method="tree",
                  max_new_tokens=4, width=2, branch=2)  # fmt: skip
-    assert (r.stats["depth"], r.stats["bs"]) == (4, 8)
+    assert (r.stats["depth"], r.stats["bs"]) == (5, 11)  # the suite runs on the CPU
 
 
 def test_swiftspec_refuses_a_feature_draft_and_sparse_caches_are_refused():

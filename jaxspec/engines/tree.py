@@ -60,33 +60,47 @@ class TreeShape:
         return 1 + self.depth * self.width * self.branch
 
 
-# A feature draft's trees, where depth and bs are left open: one expansion deeper than a model
-# draft's (its head drafts a token for one decoder layer and the LM head, and keeps accepting
-# deeper). Depth 4 and bs 8, from every GPU run of the shipped heads, public generate() wall, B=1,
-# 128 new tokens: the stage-4 head (one H100, baab0d3, benchmarks/results/feature_draft.json's h100
-# section) 3111 tok/s, 1.99x autoregressive, on 11 held-out HumanEval prompts against 2870 (1.84x)
-# for depth 6 / bs 16, and 2004 (1.24x) on 10 chat prompts against 1848 (1.15x); the fused-reads
-# head (another H100) 1.93x against 1.74x, and 2948 against 2561 tok/s (small_model.json, 54bf7da,
-# depth 6 / bs 15). Deeper trees accept more (5.27 tokens a verification against 4.10 on
-# HumanEval) but their 17-row verify and two more head steps cost more than that. The one H200
-# run (the first shipped head, 2026-12-03) was a tie: 1.48x for depth 6 / bs 16, 1.46x for 4 / 8.
-FEATURE_SHAPE = {"depth": 4, "bs": 8}
+# A feature draft's trees, where depth and bs are left open, by backend (``jax.default_backend()``,
+# as the drafts' vocabulary cut): deeper than a model draft's (its head drafts a token for one
+# decoder layer and the LM head, and keeps accepting deeper). Public generate() wall, B=1, 128 new
+# tokens, the shipped stage-4 head, held-out HumanEval (benchmarks/results/feature_draft.json):
+# - gpu: depth 4 and bs 8, from every GPU run of the shipped heads: one H100 (baab0d3, the h100
+#   section) 3111 tok/s, 1.99x autoregressive, on 11 prompts against 2870 (1.84x) for depth 6 /
+#   bs 16, and 2004 (1.24x) on 10 chat prompts against 1848 (1.15x); the fused-reads head
+#   (another H100) 1.93x against 1.74x, and 2948 against 2561 tok/s (small_model.json, 54bf7da,
+#   depth 6 / bs 15). Deeper trees accept more (5.27 tokens a verification against 4.10) but their
+#   17-row verify and two more head steps cost more than that. The one H200 run (the first
+#   shipped head, 2026-12-03) was a tie: 1.48x for depth 6 / bs 16, 1.46x for 4 / 8. Depth 5 with
+#   bs 11 (a 12-row verify, padded to 16 rows as bs 8's 9) is not yet timed on a GPU.
+# - cpu: depth 5 and bs 11, the 2-core CPU in float32 over all 20 prompts (the cpu_shapes
+#   sections, 2026-12-07/08): with the CPU's 4096-token draft head 1.61x autoregressive for both
+#   depth 5 / bs 11 and 4 / 8, at 4.23 tokens a verification against 3.75 (depth 5 / bs 15: 4.34
+#   at 1.53x; 4 / 15: 3.98 at 1.43x); with the whole head 4.63 against 4.08, 1.04x and 1.05x.
+#   Here a verify costs its rows, so the wider and deeper tree pays for itself, and no more.
+FEATURE_SHAPE = {"gpu": {"depth": 4, "bs": 8}, "cpu": {"depth": 5, "bs": 11}}
+
+
+def feature_shape(backend: str | None = None) -> dict:
+    """A feature draft's open tree options (depth, bs) on ``backend`` (default: JAX's); a backend
+    without its own measurement takes the GPU's."""
+    return FEATURE_SHAPE.get(backend or jax.default_backend(), FEATURE_SHAPE["gpu"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Options(base.DraftOptions):
-    depth: int | None = None  # None: TreeShape's 3, a feature draft's FEATURE_SHAPE
+    depth: int | None = None  # None: TreeShape's 3, a feature draft's feature_shape()
     width: int = 8
     branch: int = 4
-    bs: int | None = None  # None: 8, a feature draft's FEATURE_SHAPE
+    bs: int | None = None  # None: 8, a feature draft's feature_shape()
 
     def __post_init__(self):
         self.shape_for(feature=False)  # validates
         self.shape_for(feature=True)
 
-    def shape_for(self, feature: bool) -> TreeShape:
-        """The tree's shape for a feature draft (``feature``) or another kind."""
-        d = TreeShape(**FEATURE_SHAPE) if feature else TreeShape()
+    def shape_for(self, feature: bool, backend: str | None = None) -> TreeShape:
+        """The tree's shape for a feature draft (``feature``) or another kind, on ``backend``
+        (default: JAX's)."""
+        d = TreeShape(**feature_shape(backend)) if feature else TreeShape()
         depth = d.depth if self.depth is None else self.depth
         return TreeShape(depth, self.width, self.branch, d.bs if self.bs is None else self.bs)
 
