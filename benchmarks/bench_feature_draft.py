@@ -11,9 +11,10 @@ Prompts: the first ``--prompts`` HumanEval prompts (OpenAI, MIT licence), raw: h
 drafts' training data; ``chat``: the first MT-Bench first turns (LMSYS FastChat, Apache-2.0) in the
 chat template (in both drafts' training data). Rows (``--configs``): ``autoregressive``;
 ``distilled``: chain, gamma 4, the shipped small draft; ``feature``: chain, gamma 4, the feature
-draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's: depth 4, bs
-8; rows of runs before the default moved, named ``feature-tree4``, carry it too, and their
-``feature-tree`` rows the old default, depth 6 and bs 16: each row records its options);
+draft; ``feature-tree``: the tree engine's default shape with it (a feature draft's, by backend:
+depth 4 and bs 8 on a GPU, 5 and 11 on a CPU; rows of runs before the GPU's default moved, named
+``feature-tree4``, carry it too, and their ``feature-tree`` rows the old default, depth 6 and bs
+16: each row records its options);
 ``feature-chain6`` and ``feature-tree6`` (depth 6, bs 16) on request, and ``feature-tree-DxBS``
 for any other depth D and bs BS.
 Each call is timed around ``generate`` as a user makes it (host work included); a call that
@@ -60,7 +61,7 @@ CONFIGS = {  # name: (method, draft key, options)
     "autoregressive": ("autoregressive", None, {}),
     "distilled": ("chain", "distilled", {"gamma": 4}),
     "feature": ("chain", "feature", {"gamma": 4}),
-    "feature-tree": ("tree", "feature", {}),  # a feature draft's default: depth 4, bs 8
+    "feature-tree": ("tree", "feature", {}),  # a feature draft's default (tree.FEATURE_SHAPE)
     "feature-chain6": ("chain", "feature", {"gamma": 6}),
     "feature-tree6": ("tree", "feature", {"depth": 6, "bs": 16}),
 }
