@@ -36,6 +36,12 @@ from pallas_kernels.reference import attend
 
 # Streaming-multiprocessor count of the target GPU (H100/H200: 132); only sizes k_splits.
 NUM_SMS = 132
+# The shortest prefix split ``plan`` makes by default, in slots. 128 on one H100 (2026-12-08,
+# `bash benchmarks/gpu/decode.sh attention`, results/gpu_decode.json's attn_split rows; batch-1
+# decode steps at 4K): Llama-3-8B 6.049 ms against 6.114 / 6.116 at 256 (32 splits of its 8 KV
+# heads against 16) and 6.209 at 64; Llama-3.2-1B 1.305 against 1.339 / 1.335 (1.303 at 64).
+# SmolLM2's fused path bounds its splits at 128 slots too (fused_linear.COMBINE_MIN_SPLIT).
+MIN_SPLIT = 128
 # Finite "minus infinity" for running maxima, so a fully masked tile gives exp(-inf - m) = 0
 # rather than NaN.
 _NEG = -1e30
@@ -243,10 +249,10 @@ def plan(
     warps and pipeline stages. Defaults were picked on an H200 (bf16): KV blocks of 8192
     elements (64 slots of Llama-3-8B's 128-wide heads, 128 of SmolLM2's 64-wide ones), 4 warps,
     2 stages for decode-sized tiles and 3 once a row tile has 64 rows or a KV block 128 slots.
-    Prefix splits are no shorter than ``min_split`` slots (default 256), and there are at most
+    Prefix splits are no shorter than ``min_split`` slots (default ``MIN_SPLIT``), at most
     ``max_splits`` of them (None: no bound), longer splits where needed. A given ``block_k``,
     ``num_stages`` or ``min_split`` overrides its default (``KernelConfig.attention_tile``)."""
-    min_split = min_split or 256
+    min_split = min_split or MIN_SPLIT
     m_pad = max(16, _next_pow2(rows))
     block_m = min(m_pad, block_m or 64)
     m_tiles = m_pad // block_m

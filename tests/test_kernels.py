@@ -284,7 +284,8 @@ def test_default_tiling_keeps_kv_blocks_of_8192_elements():
     assert (p["block_k"], p["num_stages"]) == (32, 1)
     assert plan(1, 1100, 3, 3, head_dim=64, block_k=16, num_stages=2)["block_k"] == 16
     assert plan(1, 1024, 1, 1, head_dim=64, block_k=64, min_split=64)["k_splits"] == 16
-    assert plan(1, 1024, 1, 1, head_dim=64, block_k=64)["k_splits"] == 4  # min_split 256
+    assert plan(1, 1024, 1, 1, head_dim=64, block_k=64)["k_splits"] == 8  # min_split 128
+    assert plan(1, 1024, 1, 1, head_dim=64, block_k=64, min_split=256)["k_splits"] == 4
 
 
 def test_attention_tile_reaches_the_kernel(monkeypatch):

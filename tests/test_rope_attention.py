@@ -93,26 +93,27 @@ def test_split_bounds_apply_where_the_tile_leaves_the_split_length_open():
     """``min_split`` / ``max_splits`` (what ``fused_linear.combine_project`` asks for) set the
     splits' shortest length and their most, and the merged output is still the reference's; a
     tile's own ``min_split`` is kept as given, unbounded. ``plan``'s numbers for the SmolLM2 shape
-    (the measured cases): at 4K 17 splits of 256 slots by default, 9 of 512 under a bound of 9,
-    33 of 128 with 128-slot splits; at 1K 5 of 256, 9 of 128; at 16K the bound of 33 lengthens
-    128-slot splits to 512."""
+    (the measured cases): at 4K 33 splits of 128 slots by default (``MIN_SPLIT``), 9 of 512 under
+    a bound of 9, 17 of 256 with 256-slot splits; at 1K 9 of 128, 5 of 256; at 16K the bound of
+    33 lengthens 128-slot splits to 512."""
     from pallas_kernels import decode_attention as D
 
     def plan(s, **k):
         p = D.plan(1, s, 3, 3, head_dim=64, **k)
         return p["k_splits"], p["split_len"]
 
-    assert [plan(4136, max_splits=m) for m in (None, 9)] == [(17, 256), (9, 512)]
+    assert [plan(4136, max_splits=m) for m in (None, 9)] == [(33, 128), (9, 512)]
+    assert plan(4136, min_split=256) == (17, 256)
     assert plan(4136, min_split=128, max_splits=33) == (33, 128)
-    assert plan(1064) == (5, 256) and plan(1064, min_split=128, max_splits=33) == (9, 128)
+    assert plan(1064) == (9, 128) and plan(1064, min_split=256) == (5, 256)
     assert plan(16424, min_split=128, max_splits=33) == (33, 512)
     poisoned, clean = make_inputs(7, b=2, t=1, kh=2, g=3, s=600, hd=64, dtype=jnp.float32,
                                   tree=False)  # fmt: skip
     want = R.reference(*clean, num_heads=6)
     cases = (
-        (None, {}, 3),
+        (None, {}, 5),
         (None, {"max_splits": 2}, 2),
-        (None, {"min_split": 128}, 5),
+        (None, {"min_split": 256}, 3),
         ((None, None, 128), {"max_splits": 2}, 5),
         ((None, None, 512), {"min_split": 128, "max_splits": 4}, 2),
         ((None, 1, 128, 2), {}, 5),  # a four-entry tile (stages, warps): the same result
