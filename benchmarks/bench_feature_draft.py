@@ -129,6 +129,7 @@ def row_of(name: str, runs: list[dict]) -> dict:
         else 1.0,
         "acceptance_length_mean": round(statistics.mean(r["acceptance_length"] for r in runs), 4),
         "tokens_per_s": round(new / wall, 2),
+        "median_call_s": round(statistics.median(r["wall_s"] for r in runs), 5),
         "identical_to_autoregressive": sum(r["same_as_autoregressive"] for r in runs),
         "per_prompt": runs,
     }
@@ -162,6 +163,16 @@ def prompt_set(target, name: str, n: int) -> tuple[list[list[int]], str]:
     return ids, caption
 
 
+def call_order(names: list[str], i: int) -> list[str]:
+    """The rows' order on prompt ``i``: autoregressive first (its tokens are the reference), the
+    others rotated by ``i``, so each takes every place after it equally often. (One H100 run in
+    a fixed order, 2026-12-08, had a config 1.64x autoregressive in second place that another had
+    at 1.99x in last place: benchmarks/notes/feature_draft.md.)"""
+    first, rest = names[:1], names[1:]
+    k = i % len(rest) if rest else 0
+    return first + rest[k:] + rest[:k]
+
+
 def run_set(target, drafts, name, args, deadline, write) -> dict:
     """Every config on the set's prompts (prompts outer): the set's part of the section."""
     ids, caption = prompt_set(target, name, args.prompts)
@@ -172,7 +183,7 @@ def run_set(target, drafts, name, args, deadline, write) -> dict:
         if deadline is not None and time.perf_counter() > deadline:
             break
         ref = None
-        for c in names:
+        for c in call_order(names, i):
             method, key, opts = config(c)
             r, wall = timed_call(target, p, drafts.get(key), method, opts, args.new)
             ref = r.tokens[0] if method == "autoregressive" else ref

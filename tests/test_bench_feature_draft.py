@@ -61,6 +61,14 @@ def test_a_missing_feature_draft_says_how_to_train_one(tmp_path):
         B.parse(["--configs", "feature"])
 
 
+def test_each_row_takes_every_place_after_autoregressive_in_turn():
+    names = ["autoregressive", "a", "b", "c"]
+    orders = [B.call_order(names, i) for i in range(4)]
+    assert all(o[0] == "autoregressive" and sorted(o) == sorted(names) for o in orders)
+    assert [o[1:] for o in orders[:3]] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert orders[3] == orders[0] and B.call_order(["autoregressive"], 5) == ["autoregressive"]
+
+
 def test_a_shaped_tree_row_names_its_depth_and_bs():
     assert B.config("feature-tree-5x15") == ("tree", "feature", {"depth": 5, "bs": 15})
     assert B.config("feature") == B.CONFIGS["feature"]

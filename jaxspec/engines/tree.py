@@ -70,8 +70,10 @@ class TreeShape:
 #   (another H100) 1.93x against 1.74x, and 2948 against 2561 tok/s (small_model.json, 54bf7da,
 #   depth 6 / bs 15). Deeper trees accept more (5.27 tokens a verification against 4.10) but their
 #   17-row verify and two more head steps cost more than that. The one H200 run (the first
-#   shipped head, 2026-12-03) was a tie: 1.48x for depth 6 / bs 16, 1.46x for 4 / 8. Depth 5 with
-#   bs 11 (a 12-row verify, padded to 16 rows as bs 8's 9) is not yet timed on a GPU.
+#   shipped head, 2026-12-03) was a tie: 1.48x for depth 6 / bs 16, 1.46x for 4 / 8. Depth 5
+#   with bs 15 (a 16-row verify, the padding of bs 8's 9 rows) ran 1.89x against 4 / 8's 1.64x
+#   on another H100 (15e56cc, 8 prompts, the h100_shapes section), in one fixed order of rows
+#   with 4 / 8 second, where the run above had it last: not yet a ranking to move the default.
 # - cpu: depth 5 and bs 11, the 2-core CPU in float32 over all 20 prompts (the cpu_shapes
 #   sections, 2026-12-07/08): with the CPU's 4096-token draft head 1.61x autoregressive for both
 #   depth 5 / bs 11 and 4 / 8, at 4.23 tokens a verification against 3.75 (depth 5 / bs 15: 4.34
